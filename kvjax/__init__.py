@@ -1,0 +1,3 @@
+"""kvjax: KV-cache policy experiments in JAX."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Checkpoint and tokenizer loading: GGUF, local HF safetensors directories, the model hub."""

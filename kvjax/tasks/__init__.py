@@ -1,0 +1,1 @@
+"""Evaluation tasks; each runs through `forward`, so the cache policy is live."""

@@ -1,0 +1,1 @@
+"""Cache policies (installed as kvjax.policies): one file per policy."""
