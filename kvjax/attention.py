@@ -1,0 +1,71 @@
+"""Reference attention over (cached slots ∪ the new chunk), RoPE, RMSNorm.
+
+One code path serves MHA (K == H), MQA (K == 1) and GQA: query heads are viewed as [K, G].
+Cached keys and the chunk's own keys are scored separately and joined only as scores, so the
+chunk is never concatenated onto a copy of the cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MASKED = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
+
+
+def rms_norm(x, w, eps: float):
+    """RMSNorm in f32: x / rms(x) * w."""
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * inv * w).astype(x.dtype)
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding, HF `rotate_half` convention (pairs are the two halves of E).
+
+    x: [B, T, N, E]; positions: [B, T] int32 (any value; -1 padding is harmless).
+    """
+    E = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))  # [E/2]
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
+    cos = jnp.cos(ang)[:, :, None, :]  # [B, T, 1, E/2]
+    sin = jnp.sin(ang)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, N, E/2] each
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache):
+    """Causal GQA attention of a chunk over the cache plus the chunk itself.
+
+    q:        [B, T, H, E]   queries of the chunk (RoPE applied)
+    k_new:    [B, T, K, E]   the chunk's keys (RoPE applied), v_new likewise
+    pos_new:  [B, T]         absolute positions of the chunk, -1 = padding
+    k_cache:  [B, K, C, E]   dequantized cached keys of this layer, v_cache likewise
+    pos_cache:[B, K, C]      position held by each slot, -1 = empty
+
+    Returns out [B, T, H, E] and probs [B, K, T, C + T]: attention probabilities summed over
+    the G query heads of each kv group (cache slots first, then the chunk), zero for padding
+    queries, which is what importance policies consume.
+    """
+    B, T, H, E = q.shape
+    K = k_new.shape[2]
+    G = H // K
+    qg = q.reshape(B, T, K, G, E).astype(jnp.float32) * (E**-0.5)  # [B, T, K, G, E]
+    s_cache = jnp.einsum("BTKGE,BKSE->BKGTS", qg, k_cache.astype(jnp.float32))  # [B, K, G, T, C]
+    s_new = jnp.einsum("BTKGE,BSKE->BKGTS", qg, k_new.astype(jnp.float32))  # [B, K, G, T, T]
+
+    q_valid = pos_new >= 0  # [B, T]
+    cache_ok = (pos_cache >= 0)[:, :, None, None, :]  # [B, K, 1, 1, C]
+    causal = (pos_new[:, None, :] <= pos_new[:, :, None]) & (pos_new[:, None, :] >= 0)  # [B, T, T]
+    new_ok = causal[:, None, None, :, :]  # [B, 1, 1, T, T]
+    s_cache = jnp.where(cache_ok, s_cache, MASKED)
+    s_new = jnp.where(new_ok, s_new, MASKED)
+
+    s = jnp.concatenate([s_cache, s_new], axis=-1)  # [B, K, G, T, C + T]
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(q_valid[:, None, None, :, None], p, 0.0)
+    C = k_cache.shape[2]
+    out = jnp.einsum("BKGTS,BKSE->BTKGE", p[..., :C], v_cache.astype(jnp.float32))
+    out = out + jnp.einsum("BKGTS,BSKE->BTKGE", p[..., C:], v_new.astype(jnp.float32))
+    return out.reshape(B, T, H, E).astype(q.dtype), p.sum(axis=2)  # [B, T, H, E], [B, K, T, C+T]

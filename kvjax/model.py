@@ -1,0 +1,84 @@
+"""The functional decoder: params pytree + `forward(params, tokens, cache, cfg)`.
+
+Prefill, decode (T = 1) and streaming perplexity are the same call on chunks of T >= 1 tokens.
+Layers run under `jax.lax.scan` over stacked params with the cache in the carry, so compile
+time does not grow with depth and each layer writes only its new slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.attention import attention, rms_norm, rope
+from kvjax.cache import KVCache
+from kvjax.config import ModelConfig
+
+
+def init_params(cfg: ModelConfig, key, scale: float = 0.02):
+    """Random params (for tests and tiny models), same layout as the loaders produce."""
+    L, D, H, K, E, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
+                           cfg.head_dim, cfg.d_ff, cfg.vocab_size)
+    shapes = {
+        "wq": (L, D, H, E), "wk": (L, D, K, E), "wv": (L, D, K, E), "wo": (L, H, E, D),
+        "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D),
+    }
+    keys = jax.random.split(key, len(shapes) + 2)
+    layers = {n: scale * jax.random.normal(k, s, jnp.float32) for (n, s), k in zip(shapes.items(), keys)}
+    layers["attn_norm"] = 1.0 + 0.1 * jax.random.normal(keys[-1], (L, D))
+    layers["mlp_norm"] = jnp.ones((L, D), jnp.float32)
+    params = {"embed": jax.random.normal(keys[-2], (V, D)), "layers": layers,
+              "final_norm": jnp.ones((D,), jnp.float32)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = scale * jax.random.normal(jax.random.fold_in(key, 7), (D, V))
+    return params
+
+
+def to_device(params, dtype=jnp.float32):
+    """numpy params -> jax arrays of `dtype` (f32 on CPU: bf16 matmuls are slow there)."""
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x), dtype), params)
+
+
+def _layer(cfg: ModelConfig, lp, x, pos_new, cache: KVCache, layer):
+    """One decoder layer over a chunk; returns the new residual stream and cache."""
+    h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)  # [B, T, D]
+    q = rope(jnp.einsum("BTD,DHE->BTHE", h, lp["wq"]), pos_new, cfg.rope_theta)  # [B, T, H, E]
+    k = rope(jnp.einsum("BTD,DKE->BTKE", h, lp["wk"]), pos_new, cfg.rope_theta)  # [B, T, K, E]
+    v = jnp.einsum("BTD,DKE->BTKE", h, lp["wv"])  # [B, T, K, E]
+    view = cache.layer_view(layer)
+    with jax.named_scope("attention"):
+        out, probs = attention(q, k, v, pos_new, view.k, view.v, view.pos)
+    with jax.named_scope("policy"):
+        slots, stats = cache.policy.update(view, k, v, pos_new, probs)
+    cache = cache.write(layer, slots, k, v, pos_new, stats)
+    x = x + jnp.einsum("BTHE,HED->BTD", out, lp["wo"])
+    h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
+    gate = jnp.einsum("BTD,DF->BTF", h, lp["w_gate"])  # [B, T, F]
+    up = jnp.einsum("BTD,DF->BTF", h, lp["w_up"])
+    return x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"]), cache
+
+
+def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None):
+    """Run a chunk through the model, attending over the cache, and store it through the policy.
+
+    tokens: [B, T] int32; n_valid: [B] real tokens per row (the rest is right padding, never
+    stored; default all T). Returns logits [B, T, V] (f32) and the new cache.
+    """
+    B, T = tokens.shape
+    t = jnp.arange(T, dtype=jnp.int32)
+    n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
+    pos_new = jnp.where(t[None] < n_valid[:, None], cache.length[:, None] + t[None], -1)  # [B, T]
+    x = params["embed"][tokens]  # [B, T, D]
+
+    def body(carry, xs):
+        x, c = carry
+        lp, layer = xs
+        return _layer(cfg, lp, x, pos_new, c, layer), None
+
+    layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (params["layers"], layer_ids))
+    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]  # [D, V]
+    logits = jnp.einsum("BTD,DV->BTV", x, head).astype(jnp.float32)
+    return logits, cache.replace(length=cache.length + n_valid)

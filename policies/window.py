@@ -1,0 +1,25 @@
+"""`window`: a sliding window of the most recent `budget` tokens (a ring buffer)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kvjax.policies.base import Policy, broadcast_new, register
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Window(Policy):
+    name = "window"
+    budget: int | None = 256
+
+    def max_chunk(self, max_len: int) -> int:
+        return max_len
+
+    def update(self, view, k_new, v_new, pos_new, probs):
+        C = view.pos.shape[-1]
+        newest = jnp.max(pos_new, axis=-1, keepdims=True)  # [B, 1]
+        keep = (pos_new >= 0) & (pos_new > newest - C)  # tokens of a long chunk that survive it
+        return broadcast_new(jnp.where(keep, pos_new % C, C), view.pos.shape[1]), view.stats
