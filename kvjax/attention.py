@@ -23,14 +23,13 @@ def rms_norm(x, w, eps: float):
 def rope(x, positions, theta: float):
     """Rotary embedding, HF `rotate_half` convention (pairs are the two halves of E).
 
-    x: [B, T, N, E]; positions: [B, T] int32 (any value; -1 padding is harmless).
+    x: [..., E]; positions: x.shape[:-1] (int; -1 padding is harmless).
     """
     E = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))  # [E/2]
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
-    cos = jnp.cos(ang)[:, :, None, :]  # [B, T, 1, E/2]
-    sin = jnp.sin(ang)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, N, E/2] each
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., E/2]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [..., E/2] each
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
 

@@ -43,15 +43,22 @@ def to_device(params, dtype=jnp.float32):
 def _layer(cfg: ModelConfig, lp, x, pos_new, cache: KVCache, layer):
     """One decoder layer over a chunk; returns the new residual stream and cache."""
     h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)  # [B, T, D]
-    q = rope(jnp.einsum("BTD,DHE->BTHE", h, lp["wq"]), pos_new, cfg.rope_theta)  # [B, T, H, E]
-    k = rope(jnp.einsum("BTD,DKE->BTKE", h, lp["wk"]), pos_new, cfg.rope_theta)  # [B, T, K, E]
+    q = jnp.einsum("BTD,DHE->BTHE", h, lp["wq"])  # [B, T, H, E]
+    k_raw = jnp.einsum("BTD,DKE->BTKE", h, lp["wk"])  # [B, T, K, E]
     v = jnp.einsum("BTD,DKE->BTKE", h, lp["wv"])  # [B, T, K, E]
     view = cache.layer_view(layer)
+    q_pos, cached_key_pos = cache.policy.rope_positions(view, pos_new)  # [B, T], [B, K, C] | None
+    q = rope(q, q_pos[:, :, None], cfg.rope_theta)
+    k = rope(k_raw, q_pos[:, :, None], cfg.rope_theta)
+    if cached_key_pos is None:  # keys are stored rotated at their absolute positions
+        k_cached, k_store = view.k, k
+    else:  # keys are stored unrotated and rotated here at the policy's positions
+        k_cached, k_store = rope(view.k, cached_key_pos, cfg.rope_theta), k_raw
     with jax.named_scope("attention"):
-        out, probs = attention(q, k, v, pos_new, view.k, view.v, view.pos)
+        out, probs = attention(q, k, v, pos_new, k_cached, view.v, view.pos)
     with jax.named_scope("policy"):
         slots, stats = cache.policy.update(view, k, v, pos_new, probs)
-    cache = cache.write(layer, slots, k, v, pos_new, stats)
+    cache = cache.write(layer, slots, k_store, v, pos_new, stats)
     x = x + jnp.einsum("BTHE,HED->BTD", out, lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
     gate = jnp.einsum("BTD,DF->BTF", h, lp["w_gate"])  # [B, T, F]

@@ -78,6 +78,14 @@ class Policy:
         """Largest chunk one `update` can place (new tokens must fit beside protected slots)."""
         return max(1, self.capacity(max_len) - self.min_budget() + 1)
 
+    def rope_positions(self, view: LayerView, pos_new):
+        """Positions RoPE uses: (chunk [B, T], cached keys [B, K, C] or None).
+
+        None (the default) means keys are stored already rotated at their absolute positions;
+        an array means keys are stored unrotated and rotated at these positions when read
+        (StreamingLLM's positions-within-the-cache)."""
+        return pos_new, None
+
     def init_stats(self, B: int, K: int, C: int) -> Any:
         return {}
 
