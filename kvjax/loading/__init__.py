@@ -8,11 +8,24 @@ from pathlib import Path
 from kvjax.config import ModelConfig
 from kvjax.loading.gguf_loader import load_gguf, open_gguf
 from kvjax.loading.hf_loader import is_hf_dir, load_hf_dir
-from kvjax.loading.hub import DEFAULT_MODEL, MODELS, fetch_model, get_spec, registered_names, resolve
+from kvjax.loading.hub import (
+    DEFAULT_MODEL,
+    MODELS,
+    fetch_model,
+    get_spec,
+    registered_names,
+    resolve,
+)
 from kvjax.loading.tokenizer import Tokenizer
 
 __all__ = [
-    "DEFAULT_MODEL", "MODELS", "Tokenizer", "fetch_model", "load_gguf", "load_hf_dir", "load_model",
+    "DEFAULT_MODEL",
+    "MODELS",
+    "Tokenizer",
+    "fetch_model",
+    "load_gguf",
+    "load_hf_dir",
+    "load_model",
 ]
 
 

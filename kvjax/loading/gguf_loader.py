@@ -18,7 +18,14 @@ from kvjax.config import ModelConfig
 T = gguf.GGMLQuantizationType
 
 SUPPORTED_TYPES: tuple[gguf.GGMLQuantizationType, ...] = (
-    T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
+    T.F32,
+    T.F16,
+    T.BF16,
+    T.Q8_0,
+    T.Q4_0,
+    T.Q4_1,
+    T.Q5_0,
+    T.Q5_1,
 )
 SUPPORTED_ARCHS = ("llama",)
 
@@ -61,7 +68,9 @@ def architecture(reader: gguf.GGUFReader) -> str:
     return arch
 
 
-def config_from_gguf(src: str | os.PathLike | gguf.GGUFReader, name: str | None = None) -> ModelConfig:
+def config_from_gguf(
+    src: str | os.PathLike | gguf.GGUFReader, name: str | None = None
+) -> ModelConfig:
     """ModelConfig from the `{arch}.*` hyperparameters; vocab size from the token list."""
     reader = _as_reader(src)
     arch = architecture(reader)
@@ -113,12 +122,20 @@ def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """HF -> GGUF row permutation of a q/k projection [n_head*E, ...] (what llama.cpp applies)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of `permute_qk`: GGUF rows back to HF rotate_half layout."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def load_gguf(
@@ -129,7 +146,13 @@ def load_gguf(
     cfg = config_from_gguf(reader, name=name)
     tensors = {t.name: t for t in reader.tensors}
     L, D, H, K, E, F, V = (
-        cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+        cfg.n_layers,
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+        cfg.vocab_size,
     )
 
     def get(tname: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -138,12 +161,21 @@ def load_gguf(
             raise ValueError(f"GGUF file {reader.data.filename} lacks tensor {tname!r}")
         w = dequantize(t)
         if w.shape != shape:
-            raise ValueError(f"tensor {tname!r} has shape {w.shape}, expected {shape} from the metadata")
+            raise ValueError(
+                f"tensor {tname!r} has shape {w.shape}, expected {shape} from the metadata"
+            )
         return w
 
     layer_shapes = {
-        "attn_norm": (D,), "wq": (D, H, E), "wk": (D, K, E), "wv": (D, K, E), "wo": (H, E, D),
-        "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D),
+        "attn_norm": (D,),
+        "wq": (D, H, E),
+        "wk": (D, K, E),
+        "wv": (D, K, E),
+        "wo": (H, E, D),
+        "mlp_norm": (D,),
+        "w_gate": (D, F),
+        "w_up": (D, F),
+        "w_down": (F, D),
     }
     layers = {k: np.empty((L, *s), np.float32) for k, s in layer_shapes.items()}
     for i in range(L):

@@ -70,12 +70,14 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for f in files:
         with safe_open(f, framework="np") as st:
-            for k in st.keys():
+            for k in st.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 out[k] = st.get_tensor(k)
     return out
 
 
-def load_hf_dir(path: str | os.PathLike, name: str | None = None) -> tuple[ModelConfig, dict, Tokenizer]:
+def load_hf_dir(
+    path: str | os.PathLike, name: str | None = None
+) -> tuple[ModelConfig, dict, Tokenizer]:
     """Load a local HF Llama checkpoint directory as (ModelConfig, float32 params, Tokenizer)."""
     path = Path(path)
     if not is_hf_dir(path):
@@ -83,7 +85,13 @@ def load_hf_dir(path: str | os.PathLike, name: str | None = None) -> tuple[Model
     cfg = config_from_hf(json.loads((path / "config.json").read_text()), name or path.name)
     raw = _read_tensors(path)
     L, D, H, K, E, F, V = (
-        cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+        cfg.n_layers,
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+        cfg.vocab_size,
     )
 
     def get(key: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -91,7 +99,9 @@ def load_hf_dir(path: str | os.PathLike, name: str | None = None) -> tuple[Model
             raise ValueError(f"checkpoint {path} lacks tensor {key!r}")
         w = np.asarray(raw[key]).astype(np.float32)
         if w.shape != shape:
-            raise ValueError(f"tensor {key!r} has shape {w.shape}, expected {shape} from config.json")
+            raise ValueError(
+                f"tensor {key!r} has shape {w.shape}, expected {shape} from config.json"
+            )
         return w
 
     def stack(fn) -> np.ndarray:

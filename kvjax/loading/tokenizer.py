@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import gguf
 import tokenizers
@@ -66,10 +66,12 @@ BUILTIN_TEMPLATES = {
 
 def _check_messages(messages) -> None:
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(
-            m.get("content"), str
+        if (
+            not isinstance(m, Mapping)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
         ):
-            raise ValueError(
+            raise TypeError(
                 f"chat message {i} must be a dict with string 'role' and 'content', got {m!r}"
             )
 
@@ -152,7 +154,7 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
     @classmethod
-    def from_gguf(cls, src: str | os.PathLike | gguf.GGUFReader) -> "Tokenizer":
+    def from_gguf(cls, src: str | os.PathLike | gguf.GGUFReader) -> Tokenizer:
         """Rebuild the byte-level BPE tokenizer stored in a GGUF file's `tokenizer.*` metadata."""
         from kvjax.loading.gguf_loader import metadata, open_gguf
 
@@ -196,7 +198,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_hf_dir(cls, path: str | os.PathLike) -> Tokenizer:
         """Wrap a HF checkpoint's tokenizer.json; BOS/EOS and template from its config files."""
         path = Path(path)
         tj = path / "tokenizer.json"
@@ -223,8 +225,12 @@ class Tokenizer:
         jinja_file = path / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
-        return cls(tok, bos_id=special_id("bos_token"), eos_id=special_id("eos_token"),
-                   chat_template=template)
+        return cls(
+            tok,
+            bos_id=special_id("bos_token"),
+            eos_id=special_id("eos_token"),
+            chat_template=template,
+        )
 
 
 def _opt_int(v) -> int | None:
@@ -235,4 +241,3 @@ def _read_json(p: Path) -> dict:
     if not p.is_file():
         return {}
     return json.loads(p.read_text())
-
