@@ -1,0 +1,603 @@
+"""KV storage formats: how one tensor kind (keys or values) of the cache is held in memory.
+
+A format is a frozen, hashable dataclass (a static jit argument) with three pure functions:
+
+* `init(shape, kind)`: the zero-initialised store, a dict of real buffers with a leading
+  layer axis, shape = (L, B, K, C, E);
+* `write(store, layer, slots, x, kind)`: encode a chunk x [B, K, T, E] into one layer at the
+  policy's slots [B, K, T] (slot C = drop). It runs inside the layer scan with the store in the
+  carry, so it scatters only the written slots (and the small metadata of their groups);
+* `read(store, layer, kind)`: the dequantized slots of one layer, [B, K, C, E] float32.
+
+Formats: f32, bf16, fp8 (e4m3, per-token scale), int8 (symmetric, per token), int4 and int2
+(asymmetric, groupwise, packed into uint8). Values, and keys with key_mode="token", are
+quantized per token with groups along E. Keys with key_mode="channel" (the default, as in KIVI)
+are quantized per channel with groups of `group` consecutive slots; see `_IntFormat` and
+docs/formats.md for the rule that keeps this correct under arbitrary eviction.
+
+Scales and zero points are float16 (11-bit significand: a rounded zero point widens the
+range far less than with bfloat16's 8 bits; KV activations stay well inside +-65504). They are
+rounded in the safe direction (zero down, scale up) and the codes are computed from the
+STORED values, so every bound below holds for what is actually stored:
+
+* int8: |x - x^| <= scale / 2;   int4/int2: |x - x^| <= scale / 2 of the element's group;
+* fp8: |x - x^| <= scale * max(2^-4 |x / scale|, 2^-10) (e4m3: 3 mantissa bits, subnormal
+  step 2^-9);  bf16: 2^-9 relative;  f32: exact.
+
+Each bound also allows a few float32 roundings of the dequantization arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+META_DTYPE = jnp.float16  # scales and zero points
+TINY = 2.0**-24  # smallest positive float16 (subnormal): the floor of every scale
+KINDS = ("k", "v")
+KEY_MODES = ("channel", "token")
+INT_BITS = (2, 4, 8)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+FORMATS: dict[str, type["KVFormat"]] = {}
+
+
+def register(cls):
+    """Class decorator: makes a format selectable by its `name`."""
+    FORMATS[cls.name] = cls
+    return cls
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def _f16_down(v):
+    """The largest float16 <= v (v float32): a zero point that never rises above the minimum."""
+    h = v.astype(META_DTYPE)
+    return jnp.where(h.astype(jnp.float32) > v, jnp.nextafter(h, META_DTYPE(-jnp.inf)), h)
+
+
+def _f16_up(v):
+    """The smallest float16 >= v (v float32): a scale that never shrinks below the step."""
+    h = v.astype(META_DTYPE)
+    return jnp.where(h.astype(jnp.float32) < v, jnp.nextafter(h, META_DTYPE(jnp.inf)), h)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in INT_BITS:
+        raise ValueError(f"bits={bits} is not supported; choose one of {INT_BITS}")
+
+
+def pack_bits(q, bits: int):
+    """Pack codes q (uint8 [..., E], each < 2^bits) into uint8 [..., E * bits // 8].
+
+    int4: byte i holds element 2i in the low nibble and 2i+1 in the high nibble; int2: byte i
+    holds elements 4i..4i+3 from the lowest bit pair up; int8: unchanged.
+    """
+    _check_bits(bits)
+    per = 8 // bits
+    if q.shape[-1] % per:
+        raise ValueError(f"pack_bits: last dim {q.shape[-1]} is not a multiple of {per} ({bits}-bit)")
+    q = q.astype(jnp.uint8)
+    if per == 1:
+        return q
+    qr = q.reshape(*q.shape[:-1], q.shape[-1] // per, per)  # [..., E/per, per]
+    out = qr[..., 0]
+    for j in range(1, per):
+        out = out | (qr[..., j] << (bits * j))
+    return out.astype(jnp.uint8)
+
+
+def unpack_bits(p, bits: int):
+    """Inverse of `pack_bits`: uint8 [..., E * bits // 8] -> codes uint8 [..., E]."""
+    _check_bits(bits)
+    per = 8 // bits
+    if per == 1:
+        return p
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)  # [per]
+    q = (p[..., None] >> shifts) & jnp.uint8(2**bits - 1)  # [..., E/per, per]
+    return q.reshape(*p.shape[:-1], p.shape[-1] * per)
+
+
+def asym_params(lo, hi, bits: int):
+    """Stored (float16) scale and zero point covering [lo, hi] with 2^bits - 1 steps."""
+    levels = 2**bits - 1
+    zero = _f16_down(lo.astype(jnp.float32))
+    step = (hi.astype(jnp.float32) - zero.astype(jnp.float32)) / levels
+    scale = _f16_up(jnp.maximum(step, TINY))
+    return scale, zero
+
+
+def asym_codes(x, scale, zero, bits: int):
+    """Codes round((x - zero) / scale) clipped to [0, 2^bits - 1], from the stored params."""
+    levels = 2**bits - 1
+    r = jnp.round((x - zero.astype(jnp.float32)) / scale.astype(jnp.float32))
+    return jnp.clip(r, 0, levels).astype(jnp.uint8)
+
+
+def _check_group(E: int, bits: int, group: int) -> None:
+    if group <= 0 or E % group:
+        raise ValueError(f"group={group} must be a positive divisor of the head dim E={E}")
+    if (E * bits) % 8:
+        raise ValueError(f"head dim E={E} cannot be packed at {bits} bits (needs E*bits % 8 == 0)")
+
+
+def _per_token_codes(x, bits: int, group: int):
+    """Unpacked codes [..., E], scale and zero [..., E/group] of asymmetric per-token groups."""
+    E = x.shape[-1]
+    xg = x.astype(jnp.float32).reshape(*x.shape[:-1], E // group, group)  # [..., E/g, g]
+    scale, zero = asym_params(xg.min(-1), xg.max(-1), bits)  # [..., E/g]
+    q = asym_codes(xg, scale[..., None], zero[..., None], bits)  # [..., E/g, g]
+    return q.reshape(x.shape), scale, zero
+
+
+def quantize_per_token(x, bits: int, group: int) -> dict:
+    """x [..., E] -> {"q": uint8 [..., E*bits//8], "scale", "zero": float16 [..., E//group]}.
+
+    Asymmetric groups of `group` consecutive channels; x ~= q * scale + zero.
+    """
+    _check_bits(bits)
+    _check_group(x.shape[-1], bits, group)
+    q, scale, zero = _per_token_codes(x, bits, group)
+    return {"q": pack_bits(q, bits), "scale": scale, "zero": zero}
+
+
+def dequantize_per_token(d: dict, bits: int, group: int):
+    """Inverse of `quantize_per_token`: float32 [..., E]."""
+    q = unpack_bits(d["q"], bits)  # [..., E]
+    E = q.shape[-1]
+    qg = q.reshape(*q.shape[:-1], E // group, group).astype(jnp.float32)  # [..., E/g, g]
+    x = qg * d["scale"][..., None].astype(jnp.float32) + d["zero"][..., None].astype(jnp.float32)
+    return x.reshape(q.shape)
+
+
+def quantize_int8(x) -> dict:
+    """Symmetric per-token int8: {"q": int8 [..., E], "scale": float16 [..., 1]}, q in [-127, 127]."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)  # [..., 1]
+    scale = _f16_up(jnp.maximum(amax / 127.0, TINY))
+    q = jnp.clip(jnp.round(x / scale.astype(jnp.float32)), -127, 127).astype(jnp.int8)
+    return {"q": q, "scale": scale}
+
+
+def dequantize_int8(d: dict):
+    return d["q"].astype(jnp.float32) * d["scale"].astype(jnp.float32)
+
+
+def quantize_fp8(x) -> dict:
+    """Per-token scaled e4m3: {"q": float8_e4m3fn [..., E], "scale": float16 [..., 1]}."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)  # [..., 1]
+    scale = _f16_up(jnp.maximum(amax / FP8_MAX, TINY))
+    y = jnp.clip(x / scale.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+    return {"q": y.astype(jnp.float8_e4m3fn), "scale": scale}
+
+
+def dequantize_fp8(d: dict):
+    return d["q"].astype(jnp.float32) * d["scale"].astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- store helpers
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not one of {KINDS}")
+
+
+def _check_shape(shape) -> tuple[int, int, int, int, int]:
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 5 or min(shape) <= 0:
+        raise ValueError(f"shape must be 5 positive ints (L, B, K, C, E), got {shape}")
+    return shape
+
+
+def _layer(a, layer):
+    """One layer's slice of a stacked store leaf (traced layer index)."""
+    return jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+
+
+def _scatter(a, layer, slots, rows):
+    """a[layer, b, k, slots[b, k, t]] = rows[b, k, t]; slot C (out of range) is dropped."""
+    B, K, _ = slots.shape
+    b = jnp.arange(B)[:, None, None]
+    h = jnp.arange(K)[None, :, None]
+    return a.at[layer, b, h, slots].set(rows.astype(a.dtype), mode="drop")
+
+
+def store_nbytes(store) -> int:
+    """Real bytes of every leaf of a store (arrays or ShapeDtypeStructs)."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(store))
+
+
+# ----------------------------------------------------------------------------- the protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class KVFormat:
+    """Base format: how keys or values are stored (see the module docstring)."""
+
+    name: ClassVar[str] = "base"
+
+    def init(self, shape, kind: str) -> dict:
+        raise NotImplementedError
+
+    def write(self, store: dict, layer, slots, x, kind: str) -> dict:
+        raise NotImplementedError
+
+    def read(self, store: dict, layer, kind: str):
+        raise NotImplementedError
+
+    def nbytes(self, shape) -> int:
+        """Bytes of the key and value stores for `shape` (L, B, K, C, E), without allocating."""
+        return sum(store_nbytes(jax.eval_shape(lambda k=k: self.init(shape, k))) for k in KINDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FloatFormat(KVFormat):
+    """Values stored as a float dtype, no metadata."""
+
+    dtype: ClassVar = jnp.float32
+
+    def init(self, shape, kind):
+        _check_kind(kind)
+        return {"q": jnp.zeros(_check_shape(shape), self.dtype)}  # [L, B, K, C, E]
+
+    def write(self, store, layer, slots, x, kind):
+        with jax.named_scope("kv_format_write"):
+            return {"q": _scatter(store["q"], layer, slots, x)}
+
+    def read(self, store, layer, kind):
+        with jax.named_scope("kv_format_read"):
+            return _layer(store["q"], layer).astype(jnp.float32)  # [B, K, C, E]
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class F32(_FloatFormat):
+    name = "f32"
+    dtype = jnp.float32
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class BF16(_FloatFormat):
+    name = "bf16"
+    dtype = jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScaledFormat(KVFormat):
+    """One code per element plus one float16 scale per (slot, kv head)."""
+
+    code_dtype: ClassVar = jnp.int8
+
+    def _encode(self, x) -> dict:
+        raise NotImplementedError
+
+    def _decode(self, d: dict):
+        raise NotImplementedError
+
+    def init(self, shape, kind):
+        _check_kind(kind)
+        shape = _check_shape(shape)
+        return {
+            "q": jnp.zeros(shape, self.code_dtype),  # [L, B, K, C, E]
+            "scale": jnp.zeros(shape[:-1] + (1,), META_DTYPE),  # [L, B, K, C, 1]
+        }
+
+    def write(self, store, layer, slots, x, kind):
+        with jax.named_scope("kv_format_write"):
+            d = self._encode(x)  # q [B, K, T, E], scale [B, K, T, 1]
+            return {n: _scatter(store[n], layer, slots, d[n]) for n in ("q", "scale")}
+
+    def read(self, store, layer, kind):
+        with jax.named_scope("kv_format_read"):
+            return self._decode({n: _layer(store[n], layer) for n in ("q", "scale")})
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class FP8(_ScaledFormat):
+    """float8_e4m3fn codes with a per-token scale amax / 448."""
+
+    name = "fp8"
+    code_dtype = jnp.float8_e4m3fn
+
+    def _encode(self, x):
+        return quantize_fp8(x)
+
+    def _decode(self, d):
+        return dequantize_fp8(d)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Int8(_ScaledFormat):
+    """Symmetric int8 per token per kv head: q = round(x / scale), scale = amax / 127."""
+
+    name = "int8"
+    code_dtype = jnp.int8
+
+    def _encode(self, x):
+        return quantize_int8(x)
+
+    def _decode(self, d):
+        return dequantize_int8(d)
+
+
+@dataclasses.dataclass(frozen=True)
+class _IntFormat(KVFormat):
+    """Asymmetric groupwise int4 / int2, packed into uint8 (KIVI-style).
+
+    Values (and keys with key_mode="token") are quantized per token, groups of `group`
+    channels along E: {"q": uint8 [L,B,K,C,E*bits//8], "scale", "zero": f16 [L,B,K,C,E//group]}.
+
+    Keys with key_mode="channel" are quantized per channel over *slot groups* (slots
+    [j*g, (j+1)*g) share one scale/zero per channel, `cscale`/`czero` [L,B,K,C//g,E]). New
+    keys first enter a full-precision residual of `residual // group` open groups (`res`,
+    `res_group`, `res_mask`), newest first. After each write:
+
+    * a group all of whose g slots were written since it entered the residual is complete:
+      it is sealed with fresh per-channel params from those g keys (every old key of the group
+      was overwritten, so nothing is re-quantized);
+    * the `residual // group` most recently written groups stay in the residual;
+    * an incomplete group pushed out of the residual is flushed token by token: a key is coded
+      with its group's existing per-channel params if they hold it without clipping and at
+      least as accurately as per-token codes; otherwise it gets per-token codes with its own
+      scale/zero in the `scale`/`zero` rows (the fallback; scale > 0 marks it).
+
+    Old codes and params are never rewritten except by a complete re-seal, so no key is ever
+    quantized twice and no outlier is silently clipped.
+    """
+
+    bits: ClassVar[int] = 4
+    group: int = 32
+    key_mode: str = "channel"
+    residual: int | None = None  # default: one group
+
+    def __post_init__(self):
+        if not isinstance(self.group, int) or self.group <= 0:
+            raise ValueError(f"{self.name}: group={self.group!r} must be a positive int")
+        if self.key_mode not in KEY_MODES:
+            raise ValueError(f"{self.name}: key_mode={self.key_mode!r} is not one of {KEY_MODES}")
+        r = self.residual
+        if r is not None and (not isinstance(r, int) or r < self.group or r % self.group):
+            raise ValueError(
+                f"{self.name}: residual={r!r} must be a positive multiple of group={self.group} "
+                f"(the residual holds whole open groups), e.g. {self.group} or {2 * self.group}"
+            )
+
+    @property
+    def n_open(self) -> int:
+        """Groups the key residual holds at once."""
+        return (self.group if self.residual is None else self.residual) // self.group
+
+    def channel_keys(self, kind: str) -> bool:
+        return kind == "k" and self.key_mode == "channel"
+
+    def init(self, shape, kind):
+        _check_kind(kind)
+        L, B, K, C, E = _check_shape(shape)
+        g, bits = self.group, self.bits
+        if E % g:
+            raise ValueError(
+                f"{self.name}: group={g} must divide the head dim E={E} (per-token groups run "
+                f"along E); use one of {[d for d in range(1, E + 1) if E % d == 0]}"
+            )
+        _check_group(E, bits, g)
+        store = {
+            "q": jnp.zeros((L, B, K, C, E * bits // 8), jnp.uint8),  # [L, B, K, C, E*bits/8]
+            "scale": jnp.zeros((L, B, K, C, E // g), META_DTYPE),  # [L, B, K, C, E/g]
+            "zero": jnp.zeros((L, B, K, C, E // g), META_DTYPE),  # [L, B, K, C, E/g]
+        }
+        if not self.channel_keys(kind):
+            return store
+        R = self.n_open * g
+        if C % g:
+            raise ValueError(
+                f"{self.name} key_mode='channel': group={g} must divide the capacity C={C} "
+                f"(key groups run along slots); pick a budget that is a multiple of {g} "
+                "or use key_mode='token'"
+            )
+        if R > C:
+            raise ValueError(
+                f"{self.name}: residual={R} exceeds the capacity C={C}; use residual <= {C}"
+            )
+        S = self.n_open
+        store.update(
+            cscale=jnp.zeros((L, B, K, C // g, E), META_DTYPE),  # [L, B, K, C/g, E]
+            czero=jnp.zeros((L, B, K, C // g, E), META_DTYPE),  # [L, B, K, C/g, E]
+            res=jnp.zeros((L, B, K, S, g, E), jnp.float32),  # [L, B, K, S, g, E]
+            res_group=jnp.full((L, B, K, S), -1, jnp.int32),  # [L, B, K, S]
+            res_mask=jnp.zeros((L, B, K, S, g), bool),  # [L, B, K, S, g]
+        )
+        return store
+
+    def write(self, store, layer, slots, x, kind):
+        with jax.named_scope("kv_format_write"):
+            if self.channel_keys(kind):
+                return self._write_channel(store, layer, slots, x)
+            d = quantize_per_token(x, self.bits, self.group)  # [B, K, T, ...]
+            return {n: _scatter(store[n], layer, slots, d[n]) for n in ("q", "scale", "zero")}
+
+    def read(self, store, layer, kind):
+        with jax.named_scope("kv_format_read"):
+            d = {n: _layer(store[n], layer) for n in ("q", "scale", "zero")}
+            tok = dequantize_per_token(d, self.bits, self.group)  # [B, K, C, E]
+            if not self.channel_keys(kind):
+                return tok
+            g = self.group
+            q = unpack_bits(d["q"], self.bits).astype(jnp.float32)  # [B, K, C, E]
+            cs = jnp.repeat(_layer(store["cscale"], layer), g, axis=2)  # [B, K, C, E]
+            cz = jnp.repeat(_layer(store["czero"], layer), g, axis=2)  # [B, K, C, E]
+            chan = q * cs.astype(jnp.float32) + cz.astype(jnp.float32)
+            out = jnp.where(d["scale"][..., :1] > 0, tok, chan)  # [B, K, C, E]
+            res = _layer(store["res"], layer)  # [B, K, S, g, E]
+            B, K, S, _, E = res.shape
+            C = out.shape[2]
+            rs = _residual_slots(_layer(store["res_group"], layer), _layer(store["res_mask"], layer), C)
+            b = jnp.arange(B)[:, None, None]
+            h = jnp.arange(K)[None, :, None]
+            return out.at[b, h, rs].set(res.reshape(B, K, S * g, E), mode="drop")
+
+    def _write_channel(self, store, layer, slots, x):
+        """Per-channel keys: plan every (row, head) with `_channel_plan`, then scatter."""
+        C = store["q"].shape[3]
+        plan = jax.vmap(
+            jax.vmap(lambda *a: _channel_plan(*a, bits=self.bits, C=C))
+        )(
+            _layer(store["res"], layer),  # [B, K, S, g, E]
+            _layer(store["res_group"], layer),  # [B, K, S]
+            _layer(store["res_mask"], layer),  # [B, K, S, g]
+            _layer(store["cscale"], layer),  # [B, K, NG, E]
+            _layer(store["czero"], layer),  # [B, K, NG, E]
+            slots,  # [B, K, T]
+            x.astype(jnp.float32),  # [B, K, T, E]
+        )
+        out = dict(store)
+        for n in ("q", "scale", "zero"):
+            out[n] = _scatter(store[n], layer, plan["dest"], plan[n])
+        for n in ("cscale", "czero"):  # group NG (not sealed now) is dropped
+            out[n] = _scatter(store[n], layer, plan["meta_dest"], plan[n])
+        for n in ("res", "res_group", "res_mask"):
+            out[n] = jax.lax.dynamic_update_index_in_dim(store[n], plan[n], layer, 0)
+        return out
+
+
+def _residual_slots(res_group, res_mask, C: int):
+    """Slots held by the residual: [..., S] groups, [..., S, g] mask -> [..., S*g] (C = none)."""
+    g = res_mask.shape[-1]
+    s = res_group[..., None] * g + jnp.arange(g)  # [..., S, g]
+    s = jnp.where(res_mask & (res_group[..., None] >= 0), s, C)
+    return s.reshape(*s.shape[:-2], -1)
+
+
+def _channel_plan(res, res_group, res_mask, cs, cz, slots, x, *, bits: int, C: int):
+    """One (row, kv head) of a per-channel key write; see `_IntFormat` for the rule.
+
+    res [S, g, E], res_group [S], res_mask [S, g]: the residual (entry 0 newest);
+    cs, cz [NG, E]: stored per-channel params; slots [T]; x [T, E].
+    Returns rows to scatter (dest slot, packed codes, per-token fallback params), per-token
+    rows of group params (meta_dest group, cscale, czero) and the new residual.
+    """
+    S, g, E = res.shape
+    T = slots.shape[0]
+    NG = C // g
+    # the working set: the residual's keys, then the new chunk
+    new_ok = (slots >= 0) & (slots < C)
+    new_slot = jnp.where(new_ok, slots, C)  # [T]
+    hit = jnp.zeros((C + 1,), bool).at[new_slot].set(True)  # [C+1] slots the chunk overwrites
+    old_slot = _residual_slots(res_group, res_mask, C)  # [S*g]
+    old_slot = jnp.where(hit[old_slot], C, old_slot)
+    slot = jnp.concatenate([old_slot, new_slot])  # [N]
+    xs = jnp.concatenate([res.reshape(S * g, E), jnp.where(new_ok[:, None], x, 0.0)])  # [N, E]
+    stamp = jnp.concatenate([jnp.repeat(S - jnp.arange(S), g), S + 1 + jnp.arange(T)])  # [N]
+    valid = slot < C
+    gid = jnp.where(valid, slot // g, NG)  # [N]; NG collects the invalid rows
+    # group states: complete (all g slots written since it entered), recency
+    count = jax.ops.segment_sum(valid.astype(jnp.int32), gid, NG + 1)  # [NG+1]
+    touched = (count > 0).at[NG].set(False)
+    complete = (count == g).at[NG].set(False)
+    recency = jax.ops.segment_max(jnp.where(valid, stamp, 0), gid, NG + 1)  # [NG+1]
+    top, keep = jax.lax.top_k(jnp.where(touched, recency, 0), S)  # [S] newest first
+    keep = jnp.where(top > 0, keep, -1).astype(jnp.int32)
+    match = gid[:, None] == keep[None, :]  # [N, S]
+    stay = valid & match.any(-1)
+    seal = valid & complete[gid] & ~stay
+    flush = valid & ~complete[gid] & ~stay
+    # fresh per-channel params for groups sealed now
+    lo = jax.ops.segment_min(jnp.where(seal[:, None], xs, jnp.inf), gid, NG + 1)[gid]  # [N, E]
+    hi = jax.ops.segment_max(jnp.where(seal[:, None], xs, -jnp.inf), gid, NG + 1)[gid]
+    new_cs, new_cz = asym_params(jnp.where(seal[:, None], lo, 0.0), jnp.where(seal[:, None], hi, 0.0), bits)
+    pad = jnp.zeros((1, E), META_DTYPE)
+    ch_cs = jnp.where(seal[:, None], new_cs, jnp.concatenate([cs, pad])[gid])  # [N, E]
+    ch_cz = jnp.where(seal[:, None], new_cz, jnp.concatenate([cz, pad])[gid])
+    # channel codes (fresh params, or the group's existing ones for flushed keys)
+    levels = 2**bits - 1
+    has = jnp.all(ch_cs > 0, axis=-1)  # [N] the group has params
+    r = jnp.round((xs - ch_cz.astype(jnp.float32)) / jnp.where(ch_cs > 0, ch_cs, 1).astype(jnp.float32))
+    fits = has & jnp.all((r >= 0) & (r <= levels), axis=-1)  # [N] no clipping
+    ch_q = jnp.clip(r, 0, levels).astype(jnp.uint8)  # [N, E]
+    ch_err = jnp.max(jnp.abs(ch_q * ch_cs.astype(jnp.float32) + ch_cz.astype(jnp.float32) - xs), -1)
+    # per-token fallback codes
+    tq, ts, tz = _per_token_codes(xs, bits, g)  # [N, E], [N, E/g], [N, E/g]
+    tok_err = jnp.max(jnp.abs(dequantize_per_token({"q": pack_bits(tq, bits), "scale": ts, "zero": tz}, bits, g) - xs), -1)
+    use_ch = seal | (flush & fits & (ch_err <= tok_err))  # [N]
+    codes = jnp.where(use_ch[:, None], ch_q, tq)  # [N, E]
+    zero_meta = jnp.zeros_like(ts)
+    # the new residual, newest group first
+    entry = jnp.where(stay, jnp.argmax(match, axis=-1), S)  # [N]; S = not kept
+    new_res = jnp.zeros((S, g, E), jnp.float32).at[entry, slot % g].set(xs, mode="drop")
+    new_mask = jnp.zeros((S, g), bool).at[entry, slot % g].set(True, mode="drop")
+    return {
+        "dest": jnp.where(seal | flush, slot, C).astype(jnp.int32),  # [N]
+        "q": pack_bits(codes, bits),  # [N, E*bits/8]
+        "scale": jnp.where(use_ch[:, None], zero_meta, ts),  # [N, E/g]
+        "zero": jnp.where(use_ch[:, None], zero_meta, tz),  # [N, E/g]
+        "meta_dest": jnp.where(seal, gid, NG).astype(jnp.int32),  # [N]
+        "cscale": new_cs,  # [N, E]
+        "czero": new_cz,  # [N, E]
+        "res": new_res,  # [S, g, E]
+        "res_group": keep,  # [S]
+        "res_mask": new_mask,  # [S, g]
+    }
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Int4(_IntFormat):
+    name = "int4"
+    bits = 4
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Int2(_IntFormat):
+    name = "int2"
+    bits = 2
+
+
+def get_format(name: str, **options) -> KVFormat:
+    """The format called `name` with its options (e.g. get_format("int4", group=64))."""
+    if name not in FORMATS:
+        raise ValueError(f"unknown kv format {name!r}; choose one of {sorted(FORMATS)}")
+    cls = FORMATS[name]
+    fields = [f.name for f in dataclasses.fields(cls)]
+    bad = [k for k in options if k not in fields]
+    if bad:
+        raise ValueError(
+            f"kv format {name!r} has no option(s) {bad}; its options are {fields or 'none'}"
+        )
+    return cls(**options)
+
+
+def byte_table(shape=(30, 1, 3, 2048, 64)) -> list[tuple[str, int, float]]:
+    """(format, bytes of k+v, ratio to bf16) for the default formats and main variants."""
+    variants = [
+        ("f32", {}), ("bf16", {}), ("fp8", {}), ("int8", {}),
+        ("int4", {}), ("int4", {"key_mode": "token"}), ("int4", {"group": 64, "key_mode": "token"}),
+        ("int4", {"group": 64}),
+        ("int2", {}), ("int2", {"key_mode": "token"}), ("int2", {"group": 64, "key_mode": "token"}),
+        ("int2", {"group": 64}),
+    ]
+    base = get_format("bf16").nbytes(shape)
+    rows = []
+    for name, opts in variants:
+        n = get_format(name, **opts).nbytes(shape)
+        label = name + "".join(f" {k}={v}" for k, v in opts.items())
+        rows.append((label, n, n / base))
+    return rows
+
+
+if __name__ == "__main__":
+    shape = (30, 1, 3, 2048, 64)
+    print(f"k+v store bytes at (L, B, K, C, E) = {shape}, ratio to bf16")
+    print("| format | bytes | / bf16 |\n|---|---:|---:|")
+    for label, n, ratio in byte_table(shape):
+        print(f"| {label} | {n:,} | {ratio:.4f} |")
