@@ -1,0 +1,526 @@
+"""Paged decode attention: a Pallas kernel over a KV page pool, beside its pure-jnp reference.
+
+One query token per sequence attends over that sequence's pages, found through its block table.
+Each program handles all G query heads of one kv head (GQA) for one row and one split of the
+row's pages (split-K); an online softmax runs over blocks of `pages_per_block` pages inside the
+program and a log-sum-exp combine merges the splits. Pages may be stored as f32/bf16 or in
+kvjax's quantized layouts, dequantized inside the kernel:
+
+    int8  QuantPages(q=int8 [..., E], scale=[..., 1])                    x ≈ q·scale
+    int4  QuantPages(q=uint8 [..., E//2], scale=[..., E//g], zero=[..., E//g])   x ≈ q·scale + zero
+          (byte i holds element 2i in the low nibble and 2i+1 in the high nibble)
+
+with `...` = [L, K, P, page] (or [K, P, page] for a single layer) and scales in float16/bfloat16.
+
+Token t of row b is attended iff t < lengths[b] and block_tables[b, t // page] is a page of the
+pool (NO_PAGE = -1 marks a page evicted by a page-granular policy). Table entries past a row's
+length are never read. The kernel is written for the Pallas Triton GPU lowering (power-of-two
+tiles, >= 16 for `jnp.dot`) and runs anywhere with `interpret=True`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:
+    from jax.experimental.pallas import triton as _pltriton
+except ImportError:
+    _pltriton = None
+
+NO_PAGE = -1
+VALID_PAGE_SIZES = (8, 16, 32, 64, 128, 256)
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_MIN_DOT = 16  # Triton's tl.dot needs every matmul dim >= 16
+
+
+class QuantPages(NamedTuple):
+    """Quantized pages: int8 codes + per-token scale, or packed int4 codes + group scale/zero."""
+
+    q: jax.Array  # int8 [..., E] or uint8 [..., E//2]
+    scale: jax.Array  # [..., 1] (int8) or [..., E//g] (int4), float16/bfloat16
+    zero: jax.Array | None = None  # [..., E//g] (int4 only)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pages_kind(pages) -> str:
+    """'float', 'int8' or 'int4' for a page store."""
+    if isinstance(pages, QuantPages):
+        if pages.q.dtype == jnp.int8:
+            return "int8"
+        if pages.q.dtype == jnp.uint8 and pages.zero is not None:
+            return "int4"
+        raise ValueError(
+            f"QuantPages with q of dtype {pages.q.dtype} (zero given: {pages.zero is not None}) "
+            "is neither int8 (int8 codes, scale) nor int4 (uint8 packed codes, scale, zero)"
+        )
+    if jnp.issubdtype(pages.dtype, jnp.floating):
+        return "float"
+    raise ValueError(
+        f"pages of dtype {pages.dtype}: pass float pages or QuantPages(q, scale[, zero])"
+    )
+
+
+def pages_head_dim(pages) -> int:
+    """Logical head dim E of a page store (packed int4 holds E//2 bytes per token)."""
+    if pages_kind(pages) == "int4":
+        return 2 * pages.q.shape[-1]
+    return (pages.q if isinstance(pages, QuantPages) else pages).shape[-1]
+
+
+def _codes(pages):
+    return pages.q if isinstance(pages, QuantPages) else pages
+
+
+# --------------------------------------------------------------------------- quantization
+# The per-token layouts of kvjax.formats (int8 symmetric, int4 asymmetric groupwise), for pages.
+
+
+def _formats():
+    """kvjax.formats when it provides the per-token quantizers (same layout), else None."""
+    try:
+        from kvjax import formats
+    except ImportError:
+        return None
+    ok = all(hasattr(formats, f) for f in ("quantize_int8", "quantize_per_token"))
+    return formats if ok else None
+
+
+def quantize_pages(x, kind: str, group: int = 32, scale_dtype=jnp.float16):
+    """Encode x [..., E] as 'f32' | 'bf16' | 'int8' | 'int4' pages (int4: groups of `group`).
+
+    Uses kvjax.formats' quantizers (float16 scales rounded in the safe direction) when present;
+    the local fallback follows the same layout.
+    """
+    if kind == "f32":
+        return x.astype(jnp.float32)
+    if kind == "bf16":
+        return x.astype(jnp.bfloat16)
+    x = x.astype(jnp.float32)
+    fmt = _formats() if scale_dtype == jnp.float16 else None
+    if fmt is not None and kind == "int8":
+        d = fmt.quantize_int8(x)
+        return QuantPages(d["q"], d["scale"])
+    if fmt is not None and kind == "int4":
+        d = fmt.quantize_per_token(x, 4, group)
+        return QuantPages(d["q"], d["scale"], d["zero"])
+    if kind == "int8":
+        scale = (jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0).astype(scale_dtype)
+        s = scale.astype(jnp.float32)  # [..., 1]
+        q = jnp.round(x / jnp.where(s > 0, s, 1.0))
+        return QuantPages(jnp.clip(q, -127, 127).astype(jnp.int8), scale)
+    if kind == "int4":
+        E = x.shape[-1]
+        if E % group or group % 2:
+            raise ValueError(f"int4 pages need an even group dividing E={E}, got group={group}")
+        xg = x.reshape(*x.shape[:-1], E // group, group)  # [..., E/g, g]
+        lo, hi = xg.min(-1), xg.max(-1)  # [..., E/g]
+        scale = ((hi - lo) / 15.0).astype(scale_dtype)
+        zero = lo.astype(scale_dtype)
+        s, z = scale.astype(jnp.float32)[..., None], zero.astype(jnp.float32)[..., None]
+        q = jnp.clip(jnp.round((xg - z) / jnp.where(s > 0, s, 1.0)), 0, 15)
+        q = q.reshape(*x.shape).astype(jnp.uint8)  # [..., E]
+        packed = q[..., 0::2] | (q[..., 1::2] << 4)  # [..., E/2]
+        return QuantPages(packed.astype(jnp.uint8), scale, zero)
+    raise ValueError(f"unknown page kind {kind!r}; choose one of 'f32', 'bf16', 'int8', 'int4'")
+
+
+def dequantize_pages(pages) -> jax.Array:
+    """Decode a page store to float32 [..., E]."""
+    kind = pages_kind(pages)
+    if kind == "float":
+        return pages.astype(jnp.float32)
+    if kind == "int8":
+        return pages.q.astype(jnp.float32) * pages.scale.astype(jnp.float32)
+    c = pages.q.astype(jnp.int32)  # [..., E/2]
+    q = jnp.stack([c & 15, c >> 4], axis=-1).reshape(*c.shape[:-1], 2 * c.shape[-1])  # [..., E]
+    E, n_groups = q.shape[-1], pages.scale.shape[-1]
+    qg = q.astype(jnp.float32).reshape(*q.shape[:-1], n_groups, E // n_groups)  # [..., E/g, g]
+    x = qg * pages.scale.astype(jnp.float32)[..., None] + pages.zero.astype(jnp.float32)[..., None]
+    return x.reshape(q.shape)
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+def _load_tile(refs, kind, layer, head, ids, block_k, dtype):
+    """Gather ppb pages of one kv head: (tile [block_k, E] in `dtype`, per-token scale or None)."""
+    if kind == "float":
+        x = refs[0][layer, head, ids]  # [ppb, page, E]
+        return x.reshape(block_k, x.shape[-1]).astype(dtype), None
+    if kind == "int8":
+        c = refs[0][layer, head, ids]  # [ppb, page, E]
+        s = refs[1][layer, head, ids]  # [ppb, page, 1]
+        c = c.reshape(block_k, c.shape[-1]).astype(jnp.float32).astype(dtype)
+        return c, s.reshape(1, block_k).astype(jnp.float32)
+    c = refs[0][layer, head, ids].astype(jnp.int32)  # [ppb, page, E/2]
+    half = c.shape[-1]
+    c = c.reshape(block_k, half)  # [block_k, E/2]
+    lo = (c & 15).astype(jnp.float32)  # elements 0, 2, 4, ...
+    hi = (c >> 4).astype(jnp.float32)  # elements 1, 3, 5, ...
+    x = jnp.stack([lo, hi], axis=-1).reshape(block_k, 2 * half)  # [block_k, E]
+    n_groups = refs[1].shape[-1]
+    g = 2 * half // n_groups
+
+    def expand(r):
+        v = r[layer, head, ids].reshape(block_k, n_groups).astype(jnp.float32)  # [block_k, E/g]
+        v = jnp.broadcast_to(v[:, :, None], (block_k, n_groups, g))  # [block_k, E/g, g]
+        return v.reshape(block_k, 2 * half)  # [block_k, E]
+
+    return (x * expand(refs[1]) + expand(refs[2])).astype(dtype), None
+
+
+def _paged_kernel(
+    lengths_ref, layer_ref, bt_ref, q_ref, *refs,
+    k_kind, v_kind, nk, nv, page, ppb, pps, sm_scale, return_scores, dtype,
+):
+    """One program = (row b, kv head h, split s): online softmax over the split's page blocks."""
+    k_refs, v_refs = refs[:nk], refs[nk:nk + nv]
+    o_ref, l_ref, m_ref = refs[nk + nv:nk + nv + 3]
+    s_ref = refs[nk + nv + 3] if return_scores else None
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = lengths_ref[b]
+    layer = layer_ref[0]
+    n_pool = k_refs[0].shape[2]
+    block_k = ppb * page
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+    q = q_ref[...].astype(dtype)  # [Gp, E]
+    Gp, E = q.shape
+    first = split * pps
+    n_pages = (length + page - 1) // page
+    n_iter = (jnp.clip(n_pages - first, 0, pps) + ppb - 1) // ppb
+
+    def body(i, carry):
+        o, m, l = carry  # [Gp, E], [Gp], [Gp]
+        p0 = first + i * ppb
+        ids = bt_ref[pl.ds(p0, ppb)]  # [ppb]
+        ok = (ids >= 0) & (ids < n_pool)  # [ppb]
+        ids = jnp.where(ok, ids, 0)
+        ok_tok = jnp.broadcast_to(ok[:, None], (ppb, page)).reshape(1, block_k)  # [1, block_k]
+        tok = p0 * page + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, block_k]
+        mask = ok_tok & (tok < length)  # [1, block_k]
+
+        k, k_scale = _load_tile(k_refs, k_kind, layer, h, ids, block_k, dtype)  # [block_k, E]
+        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
+        s = s * sm_scale  # [Gp, block_k]
+        if k_scale is not None:
+            s = s * k_scale
+        s = jnp.where(mask, s, MASK_VALUE)
+        if return_scores:
+            s_ref[:, pl.ds(p0 * page, block_k)] = s
+        m_new = jnp.maximum(m, s.max(axis=-1))  # [Gp]
+        corr = jnp.exp(m - m_new)  # [Gp]
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # [Gp, block_k]
+        l_new = corr * l + p.sum(axis=-1)
+
+        v, v_scale = _load_tile(v_refs, v_kind, layer, h, ids, block_k, dtype)  # [block_k, E]
+        if v_scale is not None:
+            p = jnp.where(mask, p * v_scale, 0.0)
+        v = jnp.where(mask.reshape(block_k, 1), v, jnp.zeros_like(v))
+        pv = jnp.dot(p.astype(dtype), v, precision=precision, preferred_element_type=jnp.float32)
+        return corr[:, None] * o + pv, m_new, l_new
+
+    init = (
+        jnp.zeros((Gp, E), jnp.float32),
+        jnp.full((Gp,), MASK_VALUE, jnp.float32),
+        jnp.zeros((Gp,), jnp.float32),
+    )
+    o, m, l = lax.fori_loop(0, n_iter, body, init)
+    o_ref[...] = o
+    l_ref[...] = l
+    m_ref[...] = m
+
+
+# --------------------------------------------------------------------------- wrapper
+
+
+def _as_5d(pages):
+    """[K, P, page, X] leaves -> [1, K, P, page, X]; [L, K, P, page, X] unchanged."""
+    return jax.tree.map(lambda x: x[None] if x.ndim == 4 else x, pages)
+
+
+def default_pages_per_block(page: int, block_tokens: int = 64) -> int:
+    """Pages per inner block: ~`block_tokens` tokens, at least 16 (Triton dot minimum)."""
+    return max(1, max(block_tokens, _MIN_DOT) // page)
+
+
+def default_num_splits(batch: int, kv_heads: int, n_blocks: int, target_programs: int = 264) -> int:
+    """Enough splits that B·K·S fills ~2 waves of an H200's 132 SMs, no more than blocks."""
+    return int(max(1, min(n_blocks, -(-target_programs // max(1, batch * kv_heads)))))
+
+
+def check_page_size(page: int) -> None:
+    """Raise a ValueError naming the valid page sizes when `page` does not fit the kernel."""
+    if page not in VALID_PAGE_SIZES:
+        raise ValueError(
+            f"page size {page} does not fit the paged-attention kernel's blocks (Triton tiles are "
+            f"powers of two; a block of pages must hold >= 16 tokens for tensor-core dots); "
+            f"valid page sizes: {', '.join(map(str, VALID_PAGE_SIZES))}"
+        )
+
+
+def _check_static(q, k_pages, v_pages, block_tables, lengths, ppb, block_g, interpret):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, H, E], got shape {q.shape}")
+    B, H, E = q.shape
+    leaves = jax.tree.leaves((k_pages, v_pages))
+    nd = leaves[0].ndim
+    if nd not in (4, 5) or any(x.ndim != nd for x in leaves):
+        raise ValueError(
+            "pages must all be [K, P, page, X] or [L, K, P, page, X], got shapes "
+            f"{[x.shape for x in leaves]}"
+        )
+    lead = leaves[0].shape[:-1]
+    if any(x.shape[:-1] != lead for x in leaves):
+        raise ValueError(f"k/v page leaves disagree on [.., K, P, page]: {[x.shape for x in leaves]}")
+    K, page = lead[-3], lead[-1]
+    check_page_size(page)
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        kind, e = pages_kind(pages), pages_head_dim(pages)
+        if e != E:
+            raise ValueError(f"{name} hold head dim {e}, q has E={E}")
+        if kind == "int4":
+            n_groups = pages.scale.shape[-1]
+            if E % n_groups or pages.zero.shape != pages.scale.shape or (E // n_groups) % 2:
+                raise ValueError(
+                    f"{name}: int4 scale/zero {pages.scale.shape}/{pages.zero.shape} must hold "
+                    f"E/g groups of an even size g for E={E}"
+                )
+        if kind == "int8" and pages.scale.shape[-1] != 1:
+            raise ValueError(f"{name}: int8 scale must be [..., 1], got {pages.scale.shape}")
+    if H % K:
+        raise ValueError(f"q heads H={H} must be a multiple of kv heads K={K}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"block_tables must be [B={B}, max_pages], got {block_tables.shape}")
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths must be [B={B}], got {lengths.shape}")
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer) or not jnp.issubdtype(
+        lengths.dtype, jnp.integer
+    ):
+        raise ValueError("block_tables and lengths must be integer arrays")
+    if not _is_pow2(ppb) or ppb * page < _MIN_DOT:
+        raise ValueError(
+            f"pages_per_block={ppb} with page size {page}: need a power of two with "
+            f"pages_per_block * page >= {_MIN_DOT}"
+        )
+    if block_g is not None and (not _is_pow2(block_g) or block_g < H // K):
+        raise ValueError(f"block_g={block_g} must be a power of two >= G={H // K}")
+    if not interpret:
+        if _pltriton is None:
+            raise RuntimeError(
+                "the compiled paged-attention kernel needs the Pallas Triton GPU backend "
+                "(jax.experimental.pallas.triton), which this jax does not ship; use "
+                "interpret=True or the XLA paged_attention_reference"
+            )
+        bad = [f"E={E}"] if not _is_pow2(E) or E < _MIN_DOT else []
+        for pages in (k_pages, v_pages):
+            if pages_kind(pages) == "int4" and not _is_pow2(pages.scale.shape[-1]):
+                bad.append(f"int4 groups per token E/g={pages.scale.shape[-1]}")
+        if bad:
+            raise ValueError(
+                f"compiled kernel needs power-of-two tiles (E >= {_MIN_DOT}); got {', '.join(bad)}"
+            )
+    return B, H, E, K, page
+
+
+def _check_values(block_tables, lengths, n_pool, page):
+    """Eager-only value checks (skipped under jit, where bad entries are masked, never read)."""
+    bt, ln = np.asarray(block_tables), np.asarray(lengths)
+    if (ln < 0).any() or (ln > bt.shape[1] * page).any():
+        raise ValueError(
+            f"lengths must lie in [0, max_pages*page={bt.shape[1] * page}], got {ln.tolist()}"
+        )
+    used = np.arange(bt.shape[1])[None, :] < -(-ln[:, None] // page)  # [B, M]
+    bad = used & ((bt < NO_PAGE) | (bt >= n_pool))
+    if bad.any():
+        b, j = map(int, np.argwhere(bad)[0])
+        raise ValueError(
+            f"block_tables[{b}, {j}] = {int(bt[b, j])} points outside the pool of {n_pool} pages "
+            f"(valid: 0..{n_pool - 1}, or {NO_PAGE} for an evicted page)"
+        )
+
+
+def paged_attention(
+    q, k_pages, v_pages, block_tables, lengths, *, layer=None, sm_scale=None,
+    return_mass=False, pages_per_block=None, num_splits=None, block_g=None,
+    num_warps=4, num_stages=2, interpret=False,
+):
+    """Decode attention over pages. q [B, H, E]; pages [K, P, page, E] (or [L, ...] with `layer`);
+    block_tables [B, M] int32; lengths [B]. Returns o [B, H, E] (q.dtype), and with
+    `return_mass` also the attention mass [B, K, M*page] (probabilities summed over each kv
+    head's G query heads; 0 past the length and on evicted pages).
+    """
+    page = jax.tree.leaves(k_pages)[0].shape[-2]
+    check_page_size(page)
+    ppb = default_pages_per_block(page) if pages_per_block is None else pages_per_block
+    _check_static(q, k_pages, v_pages, block_tables, lengths, ppb, block_g, interpret)
+    if not any(isinstance(x, jax.core.Tracer) for x in (block_tables, lengths)):
+        _check_values(block_tables, lengths, jax.tree.leaves(k_pages)[0].shape[-3], page)
+    nl = jax.tree.leaves(k_pages)[0].ndim
+    if layer is None:
+        if nl == 5 and jax.tree.leaves(k_pages)[0].shape[0] != 1:
+            raise ValueError("pages with a layer axis [L, K, P, page, X] need `layer=`")
+        layer = 0
+    return _paged_attention(
+        q, _as_5d(k_pages), _as_5d(v_pages), block_tables.astype(jnp.int32),
+        lengths.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
+        sm_scale=sm_scale, return_mass=return_mass, pages_per_block=ppb,
+        num_splits=num_splits, block_g=block_g, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "return_mass", "pages_per_block", "num_splits", "block_g",
+        "num_warps", "num_stages", "interpret",
+    ),
+)
+def _paged_attention(
+    q, k_pages, v_pages, block_tables, lengths, layer, *, sm_scale, return_mass,
+    pages_per_block, num_splits, block_g, num_warps, num_stages, interpret,
+):
+    """Jitted body of `paged_attention`: pad, run the kernel over (B, K, splits), combine."""
+    B, H, E = q.shape
+    L, K, P, page = jax.tree.leaves(k_pages)[0].shape[:4]
+    G = H // K
+    Gp = block_g or max(_MIN_DOT, _next_pow2(G))
+    M = block_tables.shape[1]
+    ppb = pages_per_block
+    n_blocks = -(-M // ppb)
+    S = num_splits or default_num_splits(B, K, n_blocks)
+    S = max(1, min(S, n_blocks))
+    pps = -(-n_blocks // S) * ppb  # pages per split
+    S = -(-M // pps)
+    Mp = S * pps
+    scale = 1.0 / math.sqrt(E) if sm_scale is None else sm_scale
+    dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
+
+    qg = q.reshape(B, K, G, E)  # [B, K, G, E]
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))  # [B, K, Gp, E]
+    bt = jnp.pad(block_tables, ((0, 0), (0, Mp - M)), constant_values=NO_PAGE)  # [B, Mp]
+
+    k_leaves, v_leaves = jax.tree.leaves(k_pages), jax.tree.leaves(v_pages)
+    kernel = functools.partial(
+        _paged_kernel, k_kind=pages_kind(k_pages), v_kind=pages_kind(v_pages),
+        nk=len(k_leaves), nv=len(v_leaves), page=page, ppb=ppb, pps=pps, sm_scale=scale,
+        return_scores=return_mass, dtype=dtype,
+    )
+
+    def whole(x):
+        return pl.BlockSpec(x.shape, lambda b, h, s, nd=x.ndim: (0,) * nd)
+
+    out_shape = [
+        jax.ShapeDtypeStruct((B, K, S, Gp, E), jnp.float32),  # o (unnormalized)
+        jax.ShapeDtypeStruct((B, K, S, Gp), jnp.float32),  # l
+        jax.ShapeDtypeStruct((B, K, S, Gp), jnp.float32),  # m
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, Gp, E), lambda b, h, s: (b, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
+        pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
+    ]
+    if return_mass:
+        out_shape.append(jax.ShapeDtypeStruct((B, K, Gp, Mp * page), jnp.float32))  # scores
+        out_specs.append(pl.BlockSpec((None, None, Gp, Mp * page), lambda b, h, s: (b, h, 0, 0)))
+    params = {}
+    if not interpret and _pltriton is not None:
+        params["compiler_params"] = _pltriton.CompilerParams(
+            num_warps=num_warps, num_stages=num_stages
+        )
+    outs = pl.pallas_call(
+        kernel,
+        grid=(B, K, S),
+        in_specs=[
+            whole(lengths),
+            whole(layer),
+            pl.BlockSpec((None, Mp), lambda b, h, s: (b, 0)),
+            pl.BlockSpec((None, None, Gp, E), lambda b, h, s: (b, h, 0, 0)),
+            *[whole(x) for x in k_leaves],
+            *[whole(x) for x in v_leaves],
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        name=f"paged_attention_page{page}_ppb{ppb}",
+        **params,
+    )(lengths, layer, bt, qg, *k_leaves, *v_leaves)
+    o_s, l_s, m_s = outs[:3]  # [B, K, S, Gp, E], [B, K, S, Gp], [B, K, S, Gp]
+
+    m = m_s.max(axis=2)  # [B, K, Gp]
+    corr = jnp.exp(m_s - m[:, :, None])  # [B, K, S, Gp]
+    l = (corr * l_s).sum(axis=2)  # [B, K, Gp]
+    l_safe = jnp.where(l > 0, l, 1.0)
+    o = jnp.einsum("BKSG,BKSGE->BKGE", corr, o_s) / l_safe[..., None]  # [B, K, Gp, E]
+    o = o[:, :, :G].reshape(B, H, E).astype(q.dtype)
+    if not return_mass:
+        return o
+    scores = outs[3][:, :, :G, :M * page]  # [B, K, G, T]
+    tok = jnp.arange(M * page)
+    bt_ok = jnp.repeat((block_tables >= 0) & (block_tables < P), page, axis=1)  # [B, T]
+    valid = (tok[None, :] < lengths[:, None]) & bt_ok  # [B, T]
+    probs = jnp.exp(scores - m[:, :, :G, None]) / l_safe[:, :, :G, None]  # [B, K, G, T]
+    mass = jnp.where(valid[:, None, None, :], probs, 0.0).sum(axis=2)  # [B, K, T]
+    return o, mass
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def gather_pages(pages, block_tables, layer=None):
+    """Dequantized k or v of every row, in token order: [B, K, M*page, E] float32."""
+    pages = _as_5d(pages)
+    n_pool = jax.tree.leaves(pages)[0].shape[2]
+    ids = jnp.clip(block_tables, 0, n_pool - 1)  # [B, M]
+    li = 0 if layer is None else layer
+    sel = jax.tree.map(lambda x: x[li][:, ids], pages)  # leaves [K, B, M, page, X]
+    x = dequantize_pages(sel)  # [K, B, M, page, E]
+    K, B, M, page, E = x.shape
+    return jnp.transpose(x, (1, 0, 2, 3, 4)).reshape(B, K, M * page, E)
+
+
+def paged_attention_reference(
+    q, k_pages, v_pages, block_tables, lengths, *, layer=None, sm_scale=None, return_mass=False
+):
+    """Pure-jnp paged decode attention through gathers (same contract as `paged_attention`)."""
+    B, H, E = q.shape
+    page = jax.tree.leaves(k_pages)[0].shape[-2]
+    n_pool = jax.tree.leaves(k_pages)[0].shape[-3]
+    M = block_tables.shape[1]
+    k = gather_pages(k_pages, block_tables, layer)  # [B, K, T, E]
+    v = gather_pages(v_pages, block_tables, layer)  # [B, K, T, E]
+    K = k.shape[1]
+    qg = q.reshape(B, K, H // K, E).astype(jnp.float32)  # [B, K, G, E]
+    scale = 1.0 / math.sqrt(E) if sm_scale is None else sm_scale
+    s = jnp.einsum("BKGE,BKTE->BKGT", qg, k, precision=lax.Precision.HIGHEST) * scale
+    tok = jnp.arange(M * page)
+    bt_ok = jnp.repeat((block_tables >= 0) & (block_tables < n_pool), page, axis=1)  # [B, T]
+    valid = ((tok[None, :] < lengths[:, None]) & bt_ok)[:, None, None, :]  # [B, 1, 1, T]
+    s = jnp.where(valid, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)  # [B, K, G, 1]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(valid, jnp.exp(s - m), 0.0)  # [B, K, G, T]
+    denom = p.sum(-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    v = jnp.where(valid[:, :, 0, :, None], v, 0.0)
+    o = jnp.einsum("BKGT,BKTE->BKGE", p, v, precision=lax.Precision.HIGHEST)  # [B, K, G, E]
+    o = o.reshape(B, H, E).astype(q.dtype)
+    if return_mass:
+        return o, p.sum(axis=2)  # [B, K, T]
+    return o
