@@ -376,16 +376,19 @@ def evict_pages(cache: PagedKVCache, drop) -> PagedKVCache:
     return _release(cache, jnp.asarray(drop, bool))
 
 
-def window_evict(cache: PagedKVCache, window: int, sinks: int = 0) -> PagedKVCache:
+def window_evict(cache: PagedKVCache, window: int, sinks: int = 0, rows=None) -> PagedKVCache:
     """Keep, per row, the pages holding the first `sinks` tokens and the last `window` tokens
     (window: sinks=0; StreamingLLM: sinks>0). Page-granular, so up to page-1 extra recent tokens
     stay attended; the pool then holds at most cdiv(sinks, page) + cdiv(window, page) + 1 pages
-    per row."""
+    per row. rows [B] bool limits it to some rows (default: all)."""
     page = cache.page_size
     j = jnp.arange(cache.max_pages)[None, :]  # [1, M]
     recent = (j + 1) * page > (cache.lengths - window)[:, None]
     sink = j * page < sinks
-    return evict_pages(cache, ~(recent | sink))
+    drop = ~(recent | sink)
+    if rows is not None:
+        drop = drop & jnp.asarray(rows, bool)[:, None]
+    return evict_pages(cache, drop)
 
 
 # --------------------------------------------------------------------------- host checks

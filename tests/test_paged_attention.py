@@ -1,0 +1,178 @@
+"""Paged decode-attention kernel against its jnp reference.
+
+On CPU the kernel runs with interpret=True; on a GPU the same tests run compiled (INTERPRET is
+False there). Shapes are tiny: interpret cost grows with grid steps and compile count.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.kernels import paged_attention as pa
+
+INTERPRET = jax.devices()[0].platform != "gpu"
+E = 16  # smallest head dim the compiled (Triton) kernel takes
+
+
+def _pages(rng, kind, K, P, page, group=8):
+    x = jnp.asarray(rng.normal(size=(K, P, page, E)), jnp.float32)  # [K, P, page, E]
+    return pa.quantize_pages(x, kind, group=group)
+
+
+def _case(seed, kind, G, page, lengths, K=2, extra_pages=2, q_dtype=jnp.float32):
+    """Random pages, a permuted pool and block tables covering `lengths`."""
+    rng = np.random.default_rng(seed)
+    B = len(lengths)
+    M = max(1, max(-(-n // page) for n in lengths))
+    P = B * M + extra_pages
+    perm = rng.permutation(P)
+    bt = np.full((B, M), pa.NO_PAGE, np.int32)
+    for b, n in enumerate(lengths):
+        used = -(-n // page)
+        bt[b, :used] = perm[b * M:b * M + used]
+    q = jnp.asarray(rng.normal(size=(B, K * G, E)), q_dtype)  # [B, H, E]
+    return (q, _pages(rng, kind, K, P, page), _pages(rng, kind, K, P, page),
+            jnp.asarray(bt), jnp.asarray(lengths, jnp.int32))
+
+
+def _tol(q_dtype):
+    return dict(atol=2e-2, rtol=2e-2) if q_dtype == jnp.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+
+
+# (storage kind, G, page, lengths, splits, return_mass, q dtype): lengths include 1 and exact
+# page boundaries; each storage kind, GQA ratio 1/3/8 and page size 8/16/64 appears.
+CASES = [
+    ("f32", 1, 8, [1, 8, 16, 21], 2, True, jnp.float32),
+    ("bf16", 3, 16, [16, 1, 33], 2, False, jnp.bfloat16),
+    ("bf16", 8, 64, [64, 1, 100], 1, True, jnp.float32),
+    ("int8", 3, 8, [24, 1, 7], 3, True, jnp.float32),
+    ("int8", 8, 16, [1, 32], 1, False, jnp.bfloat16),
+    ("int4", 1, 16, [17, 1, 48], 2, True, jnp.float32),
+    ("int4", 3, 64, [64, 1], 1, False, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("kind,G,page,lengths,splits,mass,q_dtype", CASES)
+def test_matches_reference(kind, G, page, lengths, splits, mass, q_dtype):
+    q, kp, vp, bt, ln = _case(0, kind, G, page, lengths, q_dtype=q_dtype)
+    got = pa.paged_attention(q, kp, vp, bt, ln, num_splits=splits, return_mass=mass,
+                             interpret=INTERPRET)
+    want = pa.paged_attention_reference(q.astype(jnp.float32), kp, vp, bt, ln, return_mass=mass)
+    if mass:
+        (got, got_mass), (want, want_mass) = got, want
+        assert got_mass.shape == (len(lengths), kp[0].shape[0] if kind.startswith("int")
+                                  else kp.shape[0], bt.shape[1] * page)
+        np.testing.assert_allclose(got_mass, want_mass, atol=1e-4 if q_dtype == jnp.float32
+                                   else 2e-2)
+        np.testing.assert_allclose(np.asarray(got_mass).sum(-1), G, rtol=1e-4)
+        past = np.arange(bt.shape[1] * page)[None, :] >= np.asarray(ln)[:, None]
+        assert np.all(np.asarray(got_mass)[np.broadcast_to(past[:, None], got_mass.shape)] == 0)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), **_tol(q_dtype))
+
+
+def test_evicted_pages_garbage_and_empty_rows():
+    """NO_PAGE entries (page-granular eviction) are skipped; NaN/inf in pages that are not
+    attended never leaks; a row of length 0 gives zeros."""
+    page = 8
+    q, kp, vp, bt, ln = _case(1, "f32", 2, page, [20, 0, 24])
+    bt = bt.at[0, 1].set(pa.NO_PAGE).at[2, 0].set(pa.NO_PAGE)
+    used = set(np.asarray(bt)[np.asarray(bt) >= 0].tolist())
+    unused = jnp.asarray([p for p in range(kp.shape[1]) if p not in used])
+    kp = kp.at[:, unused].set(jnp.nan)
+    vp = vp.at[:, unused].set(jnp.inf)
+    # row 0's last page is half full: poison its tail too
+    kp = kp.at[:, bt[0, 2], 4:].set(jnp.inf)
+    vp = vp.at[:, bt[0, 2], 4:].set(jnp.nan)
+    got, mass = pa.paged_attention(q, kp, vp, bt, ln, num_splits=2, return_mass=True,
+                                   interpret=INTERPRET)
+    want, want_mass = pa.paged_attention_reference(q, kp, vp, bt, ln, return_mass=True)
+    assert np.isfinite(np.asarray(got)).all() and np.isfinite(np.asarray(mass)).all()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(mass, want_mass, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(got)[1], 0.0)
+    assert float(jnp.abs(mass[0, :, 8:16]).max()) == 0.0  # evicted page holds no mass
+
+
+def test_layer_axis_under_jit():
+    """Pools with a leading layer axis, the layer a traced index (as in the model's scan)."""
+    page, L = 16, 3
+    q, kp, vp, bt, ln = _case(2, "int8", 2, page, [5, 40])
+    kl = jax.tree.map(lambda x: jnp.stack([x * 0, x, x * 0]), kp)  # leaves [L, K, P, page, X]
+    vl = jax.tree.map(lambda x: jnp.stack([x * 0, x, x * 0]), vp)
+
+    @jax.jit
+    def run(layer, bt):
+        return pa.paged_attention(q, kl, vl, bt, ln, layer=layer, interpret=INTERPRET)
+
+    np.testing.assert_allclose(run(1, bt), pa.paged_attention_reference(q, kp, vp, bt, ln),
+                               atol=1e-4, rtol=1e-4)
+    assert L == jax.tree.leaves(kl)[0].shape[0]
+
+
+def test_traced_out_of_pool_entry_is_masked_not_read():
+    """Under jit a table entry outside the pool cannot raise; it is masked like NO_PAGE."""
+    q, kp, vp, bt, ln = _case(3, "f32", 1, 8, [16, 16])
+    bad = bt.at[1, 0].set(10_000)
+    got = jax.jit(lambda t: pa.paged_attention(q, kp, vp, t, ln, interpret=INTERPRET))(bad)
+    want = pa.paged_attention_reference(q, kp, vp, bt.at[1, 0].set(pa.NO_PAGE), ln)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- errors (no kernel run)
+
+
+def test_bad_page_size_names_valid_choices():
+    q, kp, vp, bt, ln = _case(4, "f32", 1, 8, [8])
+    kp, vp = kp[:, :, :6], vp[:, :, :6]
+    with pytest.raises(ValueError, match=r"page size 6 .*valid page sizes: 8, 16, 32, 64"):
+        pa.paged_attention(q, kp, vp, bt, ln, interpret=True)
+
+
+def test_block_table_outside_pool_raises():
+    q, kp, vp, bt, ln = _case(5, "f32", 1, 8, [8, 9])
+    with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = 99 points outside the pool"):
+        pa.paged_attention(q, kp, vp, bt.at[1, 1].set(99), ln, interpret=True)
+    with pytest.raises(ValueError, match="lengths must lie in"):
+        pa.paged_attention(q, kp, vp, bt, ln.at[0].set(1000), interpret=True)
+
+
+def test_shape_errors():
+    q, kp, vp, bt, ln = _case(6, "f32", 3, 8, [8, 9])
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        pa.paged_attention(q[:, :5], kp, vp, bt, ln, interpret=True)
+    with pytest.raises(ValueError, match="pages_per_block=1 with page size 8"):
+        pa.paged_attention(q, kp, vp, bt, ln, pages_per_block=1, interpret=True)
+    with pytest.raises(ValueError, match="head dim"):
+        pa.paged_attention(q[..., :8], kp, vp, bt, ln, interpret=True)
+
+
+# --------------------------------------------------------------------------- storage layouts
+
+
+def test_quantized_layouts_match_kvjax_formats():
+    """Pages use kvjax.formats' per-token layouts: int8 q·scale, int4 packed nibbles."""
+    formats = pytest.importorskip("kvjax.formats")
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(2, 3, 8, 32)), jnp.float32)
+    p8 = pa.quantize_pages(x, "int8")
+    d8 = formats.quantize_int8(x)
+    np.testing.assert_array_equal(p8.q, d8["q"])
+    np.testing.assert_allclose(pa.dequantize_pages(p8), formats.dequantize_int8(d8))
+    p4 = pa.quantize_pages(x, "int4", group=16)
+    d4 = formats.quantize_per_token(x, 4, 16)
+    np.testing.assert_array_equal(p4.q, d4["q"])
+    np.testing.assert_allclose(pa.dequantize_pages(p4), formats.dequantize_per_token(d4, 4, 16))
+    # nibble order: element 2i low, 2i+1 high
+    c = np.asarray(p4.q[0, 0, 0, 0])
+    codes = np.round((np.asarray(x[0, 0, 0, :2]) - float(p4.zero[0, 0, 0, 0]))
+                     / float(p4.scale[0, 0, 0, 0]))
+    assert (c & 15, c >> 4) == tuple(np.clip(codes, 0, 15).astype(int))
+
+
+def test_quantized_pages_close_to_float():
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(4, 64)), jnp.float32)
+    for kind, tol in (("int8", 0.02), ("int4", 0.3), ("bf16", 0.01)):
+        err = np.abs(np.asarray(pa.dequantize_pages(pa.quantize_pages(x, kind, group=32)) - x))
+        assert err.max() < tol, (kind, err.max())
