@@ -1,8 +1,8 @@
 """The functional decoder: params pytree + `forward(params, tokens, cache, cfg)`.
 
 Prefill, decode (T = 1) and streaming perplexity are the same call on chunks of T >= 1 tokens.
-Layers run under `jax.lax.scan` over stacked params with the cache in the carry, so compile
-time does not grow with depth and each layer writes only its new slots.
+Layers run under `jax.lax.scan` over stacked params, so compile time does not grow with depth;
+a second scan stores each layer's new slots in place.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def to_device(params, dtype=jnp.float32):
 
 
 def _layer(cfg: ModelConfig, lp, x, pos_new, cache: KVCache, layer):
-    """One decoder layer over a chunk; returns the new residual stream and cache."""
+    """One decoder layer over a chunk: the new residual stream and what to store where."""
     h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)  # [B, T, D]
     q = jnp.einsum("BTD,DHE->BTHE", h, lp["wq"])  # [B, T, H, E]
     k_raw = jnp.einsum("BTD,DKE->BTKE", h, lp["wk"])  # [B, T, K, E]
@@ -58,12 +58,12 @@ def _layer(cfg: ModelConfig, lp, x, pos_new, cache: KVCache, layer):
         out, probs = attention(q, k, v, pos_new, k_cached, view.v, view.pos)
     with jax.named_scope("policy"):
         slots, stats = cache.policy.update(view, k, v, pos_new, probs)
-    cache = cache.write(layer, slots, k_store, v, pos_new, stats)
+    write = (slots, k_store, v, stats)  # stored after the layer scan, see `forward`
     x = x + jnp.einsum("BTHE,HED->BTD", out, lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
     gate = jnp.einsum("BTD,DF->BTF", h, lp["w_gate"])  # [B, T, F]
     up = jnp.einsum("BTD,DF->BTF", h, lp["w_up"])
-    return x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"]), cache
+    return x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"]), write
 
 
 def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None):
@@ -78,13 +78,21 @@ def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None):
     pos_new = jnp.where(t[None] < n_valid[:, None], cache.length[:, None] + t[None], -1)  # [B, T]
     x = params["embed"][tokens]  # [B, T, D]
 
-    def body(carry, xs):
-        x, c = carry
+    def body(x, xs):
         lp, layer = xs
-        return _layer(cfg, lp, x, pos_new, c, layer), None
+        return _layer(cfg, lp, x, pos_new, cache, layer)
 
+    # Two scans: the first only reads the cache, the second only writes it. Writing inside the
+    # first (reads and writes of one buffer with no data dependency between them) makes XLA copy
+    # the whole stacked cache every layer; split, every write is an in-place scatter.
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (params["layers"], layer_ids))
+    x, writes = jax.lax.scan(body, x, (params["layers"], layer_ids))
+
+    def store(c, xs):
+        layer, (slots, k, v, stats) = xs
+        return c.write(layer, slots, k, v, pos_new, stats), None
+
+    cache, _ = jax.lax.scan(store, cache, (layer_ids, writes))
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]  # [D, V]
     logits = jnp.einsum("BTD,DV->BTV", x, head).astype(jnp.float32)
