@@ -6,7 +6,7 @@ import dataclasses
 import importlib
 import pkgutil
 
-from kvjax.policies.base import POLICIES, LayerView, Policy, register
+from kvjax.policies.base import POLICIES, LayerView, Policy, compress_cache, register
 
 for _m in pkgutil.iter_modules(__path__):
     if _m.name != "base":
@@ -27,4 +27,4 @@ def get_policy(name: str, **options) -> Policy:
     return cls(**options)
 
 
-__all__ = ["POLICIES", "LayerView", "Policy", "get_policy", "register"]
+__all__ = ["POLICIES", "LayerView", "Policy", "compress_cache", "get_policy", "register"]
