@@ -1,0 +1,57 @@
+"""`streaming`: StreamingLLM (Xiao et al., 2023) — `n_sink` attention sinks plus the most recent
+tokens; the oldest non-sink token is evicted.
+
+`rope="cache"` (the paper's choice) stores keys unrotated and rotates queries and keys at their
+positions within the cache (sinks 0..n_sink-1, then the recent tokens in order), so positions
+never exceed the capacity plus one chunk and text longer than the model's context works.
+`rope="original"` keeps the absolute positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kvjax.policies.base import Policy, check_choice, check_counts, evict, protect, register
+
+ROPE_MODES = ("cache", "original")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Streaming(Policy):
+    name = "streaming"
+    budget: int | None = 256
+    n_sink: int = 4
+    rope: str = "cache"
+
+    def __post_init__(self):
+        check_counts(self, n_sink=(self.n_sink, 0))
+        check_choice(self, "rope", self.rope, ROPE_MODES)
+
+    def min_budget(self) -> int:
+        return self.n_sink + 1
+
+    def protected_desc(self) -> str:
+        return f"n_sink={self.n_sink} + 1 recent slot"
+
+    def max_chunk(self, max_len: int) -> int:
+        return max_len
+
+    def rope_positions(self, view, pos_new):
+        """Positions within the cache: what is cached is the sinks plus a contiguous run of the
+        most recent tokens, so a non-sink position moves down by (tokens seen - tokens cached)."""
+        if self.rope == "original":
+            return pos_new, None
+        shift = view.length[:, None] - jnp.sum(view.pos >= 0, axis=-1)  # [B, K]
+        keys = jnp.where(view.pos < self.n_sink, view.pos, view.pos - shift[..., None])  # [B, K, C]
+        queries = jnp.where(pos_new >= 0, pos_new - shift[:, :1], pos_new)  # [B, T]
+        return queries, keys
+
+    def update(self, view, k_new, v_new, pos_new, probs):
+        protected, protected_new = protect(view, pos_new, self.n_sink, 0)
+        zeros = jnp.zeros(view.pos.shape, jnp.float32)  # equal scores: the oldest goes first
+        slots = evict(view, pos_new, zeros, jnp.zeros(protected_new.shape), protected,
+                      protected_new)
+        return slots, view.stats
