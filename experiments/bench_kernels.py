@@ -21,7 +21,6 @@ The markdown table is rewritten after every row, so a timeout still leaves what 
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import platform
 import sys
@@ -31,7 +30,6 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from kvjax.kernels import paged_attention as pa
 
 H200_TBPS = 4.8
@@ -56,7 +54,7 @@ def make_inputs(seed, kind, B, ctx, K, G, E, page, ragged=False, q_dtype=jnp.bfl
     M = -(-ctx // page)
     P = B * M + 4
     lengths = rng.integers(1, ctx + 1, B) if ragged else np.full(B, ctx)
-    bt = rng.permutation(P)[:B * M].reshape(B, M).astype(np.int32)
+    bt = rng.permutation(P)[: B * M].reshape(B, M).astype(np.int32)
     key = jax.random.PRNGKey(seed)
     k1, k2, k3 = jax.random.split(key, 3)
 
@@ -114,21 +112,37 @@ def compile_check(rep, args):
     rep.add("| kind | page | G | E | mass | status | max abs err | compile+run s |")
     rep.add("|---|---:|---:|---:|---|---|---:|---:|")
     E = 16 if args.tiny else 64
-    variants = [(k, p, 3, False) for k in ("f32", "bf16", "int8", "int4")
-                for p in pa.VALID_PAGE_SIZES]
-    variants += [("bf16", 16, 1, False), ("bf16", 16, 8, False), ("bf16", 16, 3, True),
-                 ("int4", 16, 3, True)]
+    variants = [
+        (k, p, 3, False) for k in ("f32", "bf16", "int8", "int4") for p in pa.VALID_PAGE_SIZES
+    ]
+    variants += [
+        ("bf16", 16, 1, False),
+        ("bf16", 16, 8, False),
+        ("bf16", 16, 3, True),
+        ("int4", 16, 3, True),
+    ]
     if args.tiny:
         variants = [v for v in variants if v[1] <= 16]
     ok = 0
     for kind, page, G, mass in variants:
         t0 = time.perf_counter()
         try:
-            q, kp, vp, bt, ln = make_inputs(0, kind, 3, 2 * page + 5, 2, G, E, page, ragged=True,
-                                            q_dtype=jnp.float32 if kind == "f32" else jnp.bfloat16)
+            q, kp, vp, bt, ln = make_inputs(
+                0,
+                kind,
+                3,
+                2 * page + 5,
+                2,
+                G,
+                E,
+                page,
+                ragged=True,
+                q_dtype=jnp.float32 if kind == "f32" else jnp.bfloat16,
+            )
             got = pa.paged_attention(q, kp, vp, bt, ln, return_mass=mass, interpret=args.interpret)
-            want = pa.paged_attention_reference(q.astype(jnp.float32), kp, vp, bt, ln,
-                                                return_mass=mass)
+            want = pa.paged_attention_reference(
+                q.astype(jnp.float32), kp, vp, bt, ln, return_mass=mass
+            )
             err = float(jnp.max(jnp.abs(_first(got).astype(jnp.float32) - _first(want))))
             if mass:
                 err = max(err, float(jnp.max(jnp.abs(got[1] - want[1]))))
@@ -138,8 +152,10 @@ def compile_check(rep, args):
         except Exception as e:  # noqa: BLE001 -- record and go on
             status, err = f"FAIL: {type(e).__name__}: {str(e).splitlines()[0][:160]}", float("nan")
             traceback.print_exc()
-        rep.add(f"| {kind} | {page} | {G} | {E} | {mass} | {status} | {err:.2e} | "
-                f"{time.perf_counter() - t0:.1f} |")
+        rep.add(
+            f"| {kind} | {page} | {G} | {E} | {mass} | {status} | {err:.2e} | "
+            f"{time.perf_counter() - t0:.1f} |"
+        )
     rep.add(f"\n{ok}/{len(variants)} variants compiled and matched the reference.")
     return ok == len(variants)
 
@@ -150,6 +166,7 @@ def compile_check(rep, args):
 def _ours(interpret, **kw):
     def fn(q, kp, vp, bt, ln):
         return pa.paged_attention(q, kp, vp, bt, ln, interpret=interpret, **kw)
+
     return fn
 
 
@@ -167,9 +184,19 @@ def _upstream(interpret, M):
         if isinstance(kp, pa.QuantPages):
             kp, ks = kp.q, kp.scale[..., 0]
             vp, vs = vp.q, vp.scale[..., 0]
-        return upstream.paged_attention(q, kp, vp, bt, ln, ks, vs, k_splits=k_splits,
-                                        pages_per_compute_block=min(8, M // k_splits),
-                                        interpret=interpret)
+        return upstream.paged_attention(
+            q,
+            kp,
+            vp,
+            bt,
+            ln,
+            ks,
+            vs,
+            k_splits=k_splits,
+            pages_per_compute_block=min(8, M // k_splits),
+            interpret=interpret,
+        )
+
     return fn
 
 
@@ -177,8 +204,10 @@ def bench_row(rep, args, kind, B, ctx, page, K, G, E, impls, extra=""):
     try:
         q, kp, vp, bt, ln = make_inputs(1, kind, B, ctx, K, G, E, page)
     except Exception as e:  # noqa: BLE001
-        rep.add(f"| inputs | {kind} | {page} | {B} | {ctx} | {K}x{G} | {E} | | failed: "
-                f"{type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | {extra} |")
+        rep.add(
+            f"| inputs | {kind} | {page} | {B} | {ctx} | {K}x{G} | {E} | | failed: "
+            f"{type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | {extra} |"
+        )
         return
     read = int(np.sum(-(-np.asarray(ln) // page)) * page) * kv_bytes_per_token(kind, K, E)
     ws = read / 2**20
@@ -192,29 +221,45 @@ def bench_row(rep, args, kind, B, ctx, page, K, G, E, impls, extra=""):
     base = times.get("xla")
     for name, t in times.items():
         if t is None:
-            rep.add(f"| {name} | {kind} | {page} | {B} | {ctx} | {K}x{G} | {E} | {ws:,.0f} | "
-                    f"failed | | | | {extra} |")
+            rep.add(
+                f"| {name} | {kind} | {page} | {B} | {ctx} | {K}x{G} | {E} | {ws:,.0f} | "
+                f"failed | | | | {extra} |"
+            )
             continue
         gbs = read / t / 1e9
         speed = f"{base / t:.2f}x" if base else ""
-        rep.add(f"| {name} | {kind} | {page} | {B} | {ctx} | {K}x{G} | {E} | {ws:,.{0 if ws >= 10 else 3}f} | "
-                f"{t * 1e6:,.1f} | {gbs:,.0f} | {100 * gbs / (H200_TBPS * 1e3):.1f}% | {speed} | "
-                f"{extra} |")
+        rep.add(
+            f"| {name} | {kind} | {page} | {B} | {ctx} | {K}x{G} | {E} | {ws:,.{0 if ws >= 10 else 3}f} | "
+            f"{t * 1e6:,.1f} | {gbs:,.0f} | {100 * gbs / (H200_TBPS * 1e3):.1f}% | {speed} | "
+            f"{extra} |"
+        )
 
 
 def benchmark(rep, args, t_start):
     rep.add("\n## Decode attention: achieved KV-read bandwidth\n")
-    rep.add("GB/s = bytes of the k/v pages covered by the rows' lengths (scales included) / time "
-            f"per call; % of the H200's {H200_TBPS} TB/s. xla = gather + dense attention.\n")
-    rep.add("| impl | kv | page | B | ctx | KxG | E | KV MiB | us/call | GB/s | % peak | "
-            "vs xla | note |")
+    rep.add(
+        "GB/s = bytes of the k/v pages covered by the rows' lengths (scales included) / time "
+        f"per call; % of the H200's {H200_TBPS} TB/s. xla = gather + dense attention.\n"
+    )
+    rep.add(
+        "| impl | kv | page | B | ctx | KxG | E | KV MiB | us/call | GB/s | % peak | "
+        "vs xla | note |"
+    )
     rep.add("|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
     if args.tiny:
         shapes = [(2, 64, 16), (3, 48, 8)]
         K, G, E = 2, 3, 16
     else:
-        shapes = [(8, 16384, 16), (32, 4096, 16), (128, 1024, 16), (32, 16384, 16),
-                  (128, 4096, 16), (32, 4096, 64), (32, 16384, 64)]
+        # KV working sets: bf16 1-2 GiB, int8 0.5-1 GiB, int4 320-640 MiB (L2: 50 MB)
+        shapes = [
+            (16, 16384, 16),
+            (64, 4096, 16),
+            (256, 1024, 16),
+            (32, 16384, 16),
+            (128, 4096, 16),
+            (64, 4096, 64),
+            (32, 16384, 64),
+        ]
         K, G, E = 8, 4, 128
     for B, ctx, page in shapes:
         for kind in ("bf16", "int8", "int4"):
@@ -229,14 +274,27 @@ def benchmark(rep, args, t_start):
         for page in (8, 16, 32, 64, 128):
             if time.perf_counter() - t_start > args.budget_s:
                 return
-            bench_row(rep, args, "bf16", 64, 8192, page, 3, 3, 64,
-                      [("kvjax", _ours(args.interpret))], "SmolLM2 shape")
+            bench_row(
+                rep,
+                args,
+                "bf16",
+                64,
+                8192,
+                page,
+                3,
+                3,
+                64,
+                [("kvjax", _ours(args.interpret))],
+                "SmolLM2 shape",
+            )
 
 
 def tuning(rep, args, t_start):
     rep.add("\n## Tuning sweep (bf16)\n")
-    rep.add("| impl | kv | page | B | ctx | KxG | E | KV MiB | us/call | GB/s | % peak | "
-            "vs xla | note |")
+    rep.add(
+        "| impl | kv | page | B | ctx | KxG | E | KV MiB | us/call | GB/s | % peak | "
+        "vs xla | note |"
+    )
     rep.add("|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
     B, ctx, page, K, G, E = (2, 64, 16, 2, 3, 16) if args.tiny else (32, 4096, 16, 8, 4, 128)
     grid = [(ppb, s, w) for ppb in (1, 2, 4, 8) for s in (None, 4, 16) for w in (4, 8)]
@@ -247,8 +305,19 @@ def tuning(rep, args, t_start):
             rep.add(f"\n(stopped: time budget {args.budget_s:.0f}s reached)")
             return
         fn = _ours(args.interpret, pages_per_block=ppb, num_splits=splits, num_warps=warps)
-        bench_row(rep, args, "bf16", B, ctx, page, K, G, E, [("kvjax", fn)],
-                  f"ppb={ppb} splits={splits or 'auto'} warps={warps}")
+        bench_row(
+            rep,
+            args,
+            "bf16",
+            B,
+            ctx,
+            page,
+            K,
+            G,
+            E,
+            [("kvjax", fn)],
+            f"ppb={ppb} splits={splits or 'auto'} warps={warps}",
+        )
 
 
 def main(argv=None):
@@ -257,18 +326,24 @@ def main(argv=None):
     ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (smoke run)")
     ap.add_argument("--iters", type=int, default=None, help="calls per timing (default 50/2)")
-    ap.add_argument("--budget-s", type=float, default=420.0,
-                    help="stop starting new rows after this many seconds")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="stop starting new rows after this many seconds",
+    )
     ap.add_argument("--skip-check", action="store_true")
     args = ap.parse_args(argv)
     args.iters = args.iters or (2 if args.tiny else 50)
     t_start = time.perf_counter()
     dev = jax.devices()[0]
-    header = (f"# Paged attention kernels\n\ndevice: {dev.device_kind} ({dev.platform}); jax "
-              f"{jax.__version__}; python {platform.python_version()}; interpret={args.interpret}"
-              f"; upstream pallas.ops.gpu.paged_attention: "
-              f"{'available' if upstream else 'not importable'}\n\ncommand: `python "
-              f"experiments/bench_kernels.py {' '.join(argv if argv is not None else sys.argv[1:])}`")
+    header = (
+        f"# Paged attention kernels\n\ndevice: {dev.device_kind} ({dev.platform}); jax "
+        f"{jax.__version__}; python {platform.python_version()}; interpret={args.interpret}"
+        f"; upstream pallas.ops.gpu.paged_attention: "
+        f"{'available' if upstream else 'not importable'}\n\ncommand: `python "
+        f"experiments/bench_kernels.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
+    )
     rep = Report(args.out, header)
     all_ok = True if args.skip_check else compile_check(rep, args)
     benchmark(rep, args, t_start)

@@ -28,9 +28,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kvjax.kernels.paged_attention import quantize_pages
 
 from kvjax import paged
-from kvjax.kernels.paged_attention import quantize_pages
 
 L, K, E = 30, 3, 64  # SmolLM2-135M
 MAX_LEN = 2048
@@ -67,8 +67,9 @@ def _small(batch, num_pages, page, max_len=MAX_LEN):
 @jax.jit
 def _decode(cache, active):
     cache, g = paged.reserve(cache, active.astype(jnp.int32))
-    cache = paged.write(cache, 0, jnp.ones((active.shape[0], 1, 1, 2)),
-                        jnp.ones((active.shape[0], 1, 1, 2)), g)
+    cache = paged.write(
+        cache, 0, jnp.ones((active.shape[0], 1, 1, 2)), jnp.ones((active.shape[0], 1, 1, 2)), g
+    )
     return paged.advance(cache, g), g
 
 
@@ -106,8 +107,9 @@ def continuous_batching(page: int):
         assert (np.asarray(g) == active).all(), "pool too small"
         left -= active
         ln = np.asarray(cache.lengths)
-        trace.append((int(ln[active].sum()), int(active.sum()),
-                      int(np.sum(np.asarray(cache.refcount) > 0))))
+        trace.append(
+            (int(ln[active].sum()), int(active.sum()), int(np.sum(np.asarray(cache.refcount) > 0)))
+        )
         done = active & (left <= 0)
         if done.any():
             cache = _free(cache, jnp.asarray(done))
@@ -122,21 +124,25 @@ def waste_table(kinds=("bf16", "int4"), pages=(8, 16, 32, 64)):
         t0 = time.perf_counter()
         trace, cache = continuous_batching(page)
         tokens, active, used = trace.T.astype(float)
-        table_bytes = _nbytes((cache.block_tables, cache.lengths, cache.refcount,
-                               cache.preempted))
+        table_bytes = _nbytes((cache.block_tables, cache.lengths, cache.refcount, cache.preempted))
         for kind in kinds:
             tb, pb = token_bytes(kind), page_bytes(page, kind)
             contig = active * MAX_LEN * tb
             pag = used * pb + table_bytes
             held = tokens * tb
-            rows.append(dict(
-                page=page, kind=kind, steps=len(trace),
-                contig_waste=1 - held.sum() / contig.sum(),
-                paged_waste=1 - held.sum() / pag.sum(),
-                slot_waste=1 - tokens.sum() / (used * page).sum(),
-                contig_peak=contig.max(), paged_peak=pag.max(),
-                secs=time.perf_counter() - t0,
-            ))
+            rows.append(
+                {
+                    "page": page,
+                    "kind": kind,
+                    "steps": len(trace),
+                    "contig_waste": 1 - held.sum() / contig.sum(),
+                    "paged_waste": 1 - held.sum() / pag.sum(),
+                    "slot_waste": 1 - tokens.sum() / (used * page).sum(),
+                    "contig_peak": contig.max(),
+                    "paged_peak": pag.max(),
+                    "secs": time.perf_counter() - t0,
+                }
+            )
     return rows
 
 
@@ -175,27 +181,44 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the markdown tables here (default: stdout only)")
     args = ap.parse_args(argv)
-    lines = [f"Workload: {REQUESTS} requests through {SLOTS} slots, max_len {MAX_LEN}; "
-             f"SmolLM2-135M pool (L={L}, K={K}, E={E}). jax {jax.__version__}.", ""]
-    lines += ["| page | kv | decode steps | waste contiguous | waste paged (bytes) | "
-              "waste paged (slots) | peak contiguous | peak paged |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        (
+            f"Workload: {REQUESTS} requests through {SLOTS} slots, max_len {MAX_LEN}; "
+            f"SmolLM2-135M pool (L={L}, K={K}, E={E}). jax {jax.__version__}."
+        ),
+        "",
+        (
+            "| page | kv | decode steps | waste contiguous | waste paged (bytes) | "
+            "waste paged (slots) | peak contiguous | peak paged |"
+        ),
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in waste_table():
         lines.append(
             f"| {r['page']} | {r['kind']} | {r['steps']} | {r['contig_waste']:.1%} | "
             f"{r['paged_waste']:.2%} | {r['slot_waste']:.2%} | "
-            f"{r['contig_peak'] / 2**20:,.0f} MiB | {r['paged_peak'] / 2**20:,.0f} MiB |")
-    lines += ["", "Prefix sharing: one 1000-token system prompt, 32-256 user tokens, 128 "
-              "generated, page 16.", "",
-              "| requests | tokens (logical) | pages unshared | pages shared | bf16 unshared | "
-              "bf16 shared | int4 shared | saving |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            f"{r['contig_peak'] / 2**20:,.0f} MiB | {r['paged_peak'] / 2**20:,.0f} MiB |"
+        )
+    lines += [
+        "",
+        (
+            "Prefix sharing: one 1000-token system prompt, 32-256 user tokens, 128 generated, "
+            "page 16."
+        ),
+        "",
+        (
+            "| requests | tokens (logical) | pages unshared | pages shared | bf16 unshared | "
+            "bf16 shared | int4 shared | saving |"
+        ),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     bf, i4 = page_bytes(16, "bf16"), page_bytes(16, "int4")
     for n in (1, 4, 16, 64):
         un, sh, tok = prefix_sharing(n, 16)
         lines.append(
             f"| {n} | {tok:,} | {un:,} | {sh:,} | {un * bf / 2**20:,.1f} MiB | "
-            f"{sh * bf / 2**20:,.1f} MiB | {sh * i4 / 2**20:,.1f} MiB | {1 - sh / un:.1%} |")
+            f"{sh * bf / 2**20:,.1f} MiB | {sh * i4 / 2**20:,.1f} MiB | {1 - sh / un:.1%} |"
+        )
     text = "\n".join(lines)
     print(text)
     if args.out:

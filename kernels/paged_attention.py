@@ -185,12 +185,25 @@ def _load_tile(refs, kind, layer, head, ids, block_k, dtype):
 
 
 def _paged_kernel(
-    lengths_ref, layer_ref, bt_ref, q_ref, *refs,
-    k_kind, v_kind, nk, nv, page, ppb, pps, sm_scale, return_scores, dtype,
+    lengths_ref,
+    layer_ref,
+    bt_ref,
+    q_ref,
+    *refs,
+    k_kind,
+    v_kind,
+    nk,
+    nv,
+    page,
+    ppb,
+    pps,
+    sm_scale,
+    return_scores,
+    dtype,
 ):
     """One program = (row b, kv head h, split s): online softmax over the split's page blocks."""
-    k_refs, v_refs = refs[:nk], refs[nk:nk + nv]
-    o_ref, l_ref, m_ref = refs[nk + nv:nk + nv + 3]
+    k_refs, v_refs = refs[:nk], refs[nk : nk + nv]
+    o_ref, l_ref, m_ref = refs[nk + nv : nk + nv + 3]
     s_ref = refs[nk + nv + 3] if return_scores else None
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[b]
@@ -287,7 +300,9 @@ def _check_static(q, k_pages, v_pages, block_tables, lengths, ppb, block_g, inte
         )
     lead = leaves[0].shape[:-1]
     if any(x.shape[:-1] != lead for x in leaves):
-        raise ValueError(f"k/v page leaves disagree on [.., K, P, page]: {[x.shape for x in leaves]}")
+        raise ValueError(
+            f"k/v page leaves disagree on [.., K, P, page]: {[x.shape for x in leaves]}"
+        )
     K, page = lead[-3], lead[-1]
     check_page_size(page)
     for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
@@ -356,9 +371,21 @@ def _check_values(block_tables, lengths, n_pool, page):
 
 
 def paged_attention(
-    q, k_pages, v_pages, block_tables, lengths, *, layer=None, sm_scale=None,
-    return_mass=False, pages_per_block=None, num_splits=None, block_g=None,
-    num_warps=4, num_stages=2, interpret=False,
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    *,
+    layer=None,
+    sm_scale=None,
+    return_mass=False,
+    pages_per_block=None,
+    num_splits=None,
+    block_g=None,
+    num_warps=4,
+    num_stages=2,
+    interpret=False,
 ):
     """Decode attention over pages. q [B, H, E]; pages [K, P, page, E] (or [L, ...] with `layer`);
     block_tables [B, M] int32; lengths [B]. Returns o [B, H, E] (q.dtype), and with
@@ -377,10 +404,19 @@ def paged_attention(
             raise ValueError("pages with a layer axis [L, K, P, page, X] need `layer=`")
         layer = 0
     return _paged_attention(
-        q, _as_5d(k_pages), _as_5d(v_pages), block_tables.astype(jnp.int32),
-        lengths.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
-        sm_scale=sm_scale, return_mass=return_mass, pages_per_block=ppb,
-        num_splits=num_splits, block_g=block_g, num_warps=num_warps, num_stages=num_stages,
+        q,
+        _as_5d(k_pages),
+        _as_5d(v_pages),
+        block_tables.astype(jnp.int32),
+        lengths.astype(jnp.int32),
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        sm_scale=sm_scale,
+        return_mass=return_mass,
+        pages_per_block=ppb,
+        num_splits=num_splits,
+        block_g=block_g,
+        num_warps=num_warps,
+        num_stages=num_stages,
         interpret=interpret,
     )
 
@@ -388,17 +424,36 @@ def paged_attention(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "return_mass", "pages_per_block", "num_splits", "block_g",
-        "num_warps", "num_stages", "interpret",
+        "sm_scale",
+        "return_mass",
+        "pages_per_block",
+        "num_splits",
+        "block_g",
+        "num_warps",
+        "num_stages",
+        "interpret",
     ),
 )
 def _paged_attention(
-    q, k_pages, v_pages, block_tables, lengths, layer, *, sm_scale, return_mass,
-    pages_per_block, num_splits, block_g, num_warps, num_stages, interpret,
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    layer,
+    *,
+    sm_scale,
+    return_mass,
+    pages_per_block,
+    num_splits,
+    block_g,
+    num_warps,
+    num_stages,
+    interpret,
 ):
     """Jitted body of `paged_attention`: pad, run the kernel over (B, K, splits), combine."""
     B, H, E = q.shape
-    L, K, P, page = jax.tree.leaves(k_pages)[0].shape[:4]
+    K, P, page = jax.tree.leaves(k_pages)[0].shape[1:4]
     G = H // K
     Gp = block_g or max(_MIN_DOT, _next_pow2(G))
     M = block_tables.shape[1]
@@ -418,9 +473,17 @@ def _paged_attention(
 
     k_leaves, v_leaves = jax.tree.leaves(k_pages), jax.tree.leaves(v_pages)
     kernel = functools.partial(
-        _paged_kernel, k_kind=pages_kind(k_pages), v_kind=pages_kind(v_pages),
-        nk=len(k_leaves), nv=len(v_leaves), page=page, ppb=ppb, pps=pps, sm_scale=scale,
-        return_scores=return_mass, dtype=dtype,
+        _paged_kernel,
+        k_kind=pages_kind(k_pages),
+        v_kind=pages_kind(v_pages),
+        nk=len(k_leaves),
+        nv=len(v_leaves),
+        page=page,
+        ppb=ppb,
+        pps=pps,
+        sm_scale=scale,
+        return_scores=return_mass,
+        dtype=dtype,
     )
 
     def whole(x):
@@ -471,7 +534,7 @@ def _paged_attention(
     o = o[:, :, :G].reshape(B, H, E).astype(q.dtype)
     if not return_mass:
         return o
-    scores = outs[3][:, :, :G, :M * page]  # [B, K, G, T]
+    scores = outs[3][:, :, :G, : M * page]  # [B, K, G, T]
     tok = jnp.arange(M * page)
     bt_ok = jnp.repeat((block_tables >= 0) & (block_tables < P), page, axis=1)  # [B, T]
     valid = (tok[None, :] < lengths[:, None]) & bt_ok  # [B, T]

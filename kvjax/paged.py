@@ -103,14 +103,24 @@ class PagedKVCache:
 
     @classmethod
     def init(
-        cls, n_layers: int, n_kv_heads: int, head_dim: int, batch: int, num_pages: int,
-        page_size: int, max_len: int, kind: str = "bf16", group: int = 32,
+        cls,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        batch: int,
+        num_pages: int,
+        page_size: int,
+        max_len: int,
+        kind: str = "bf16",
+        group: int = 32,
         scale_dtype=jnp.float16,
-    ) -> "PagedKVCache":
+    ) -> PagedKVCache:
         """An empty cache: `num_pages` pages of `page_size` tokens, rows of up to `max_len`."""
         check_page_size(page_size)
         if num_pages < 1 or batch < 1 or max_len < 1:
-            raise ValueError(f"need num_pages, batch, max_len >= 1, got {num_pages}, {batch}, {max_len}")
+            raise ValueError(
+                f"need num_pages, batch, max_len >= 1, got {num_pages}, {batch}, {max_len}"
+            )
         shape = (n_layers, n_kv_heads, num_pages, page_size, head_dim)
         M = _cdiv(max_len, page_size)
         return cls(
@@ -125,11 +135,28 @@ class PagedKVCache:
         )
 
     @classmethod
-    def for_model(cls, cfg, batch: int, num_pages: int, page_size: int = 16,
-                  max_len: int | None = None, kind: str = "bf16", **kw) -> "PagedKVCache":
+    def for_model(
+        cls,
+        cfg,
+        batch: int,
+        num_pages: int,
+        page_size: int = 16,
+        max_len: int | None = None,
+        kind: str = "bf16",
+        **kw,
+    ) -> PagedKVCache:
         """An empty cache shaped for a `ModelConfig`."""
-        return cls.init(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, batch, num_pages, page_size,
-                        cfg.max_seq_len if max_len is None else max_len, kind, **kw)
+        return cls.init(
+            cfg.n_layers,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            batch,
+            num_pages,
+            page_size,
+            cfg.max_seq_len if max_len is None else max_len,
+            kind,
+            **kw,
+        )
 
     @property
     def _leaf(self):
@@ -153,8 +180,9 @@ class PagedKVCache:
 
     def nbytes(self) -> int:
         """Real bytes of every buffer: pools (metadata included) and allocator state."""
-        return _nbytes((self.k, self.v, self.block_tables, self.lengths, self.refcount,
-                        self.preempted))
+        return _nbytes(
+            (self.k, self.v, self.block_tables, self.lengths, self.refcount, self.preempted)
+        )
 
     def kv_nbytes(self) -> int:
         """Bytes of the k/v page pools alone."""
@@ -181,8 +209,9 @@ def _requests(cache: PagedKVCache, n_new):
     ln = cache.lengths
     new_len = ln + n_new
     j = jnp.arange(M)[None, :]  # [1, M]
-    in_range = (j >= (ln // page)[:, None]) & (j < _cdiv(new_len, page)[:, None]) & (
-        n_new[:, None] > 0)  # [B, M]
+    in_range = (
+        (j >= (ln // page)[:, None]) & (j < _cdiv(new_len, page)[:, None]) & (n_new[:, None] > 0)
+    )  # [B, M]
     ids = cache.block_tables  # [B, M]
     valid = (ids >= 0) & (ids < P)
     shared = cache.refcount[jnp.clip(ids, 0, P - 1)] > 1
@@ -250,14 +279,17 @@ def reserve(cache: PagedKVCache, n_new) -> tuple[PagedKVCache, jax.Array]:
 
     def copy(store):
         return jax.tree.map(
-            lambda x: x.at[:, :, dst].set(x[:, :, jnp.clip(src, 0, P - 1)], mode="drop"), store)
+            lambda x: x.at[:, :, dst].set(x[:, :, jnp.clip(src, 0, P - 1)], mode="drop"), store
+        )
 
-    k, v = jax.lax.cond(jnp.any(cow), lambda kv: (copy(kv[0]), copy(kv[1])), lambda kv: kv,
-                        (cache.k, cache.v))
+    k, v = jax.lax.cond(
+        jnp.any(cow), lambda kv: (copy(kv[0]), copy(kv[1])), lambda kv: kv, (cache.k, cache.v)
+    )
     granted = jnp.where(ok, n_new, 0)
     preempted = cache.preempted | ((n_new > 0) & ~ok)
-    return cache.replace(k=k, v=v, block_tables=tables, refcount=refcount,
-                         preempted=preempted), granted
+    return cache.replace(
+        k=k, v=v, block_tables=tables, refcount=refcount, preempted=preempted
+    ), granted
 
 
 def write(cache: PagedKVCache, layer, k_new, v_new, granted=None) -> PagedKVCache:
@@ -265,7 +297,7 @@ def write(cache: PagedKVCache, layer, k_new, v_new, granted=None) -> PagedKVCach
     at positions lengths[b] + t (call `reserve` first, `advance` after the last layer)."""
     if k_new.ndim == 3:
         k_new, v_new = k_new[:, None], v_new[:, None]
-    B, T, K, E = k_new.shape
+    B, T, K, _ = k_new.shape
     P, page, M = cache.num_pages, cache.page_size, cache.max_pages
     if granted is None:
         granted = jnp.full((B,), T, jnp.int32)
@@ -280,7 +312,8 @@ def write(cache: PagedKVCache, layer, k_new, v_new, granted=None) -> PagedKVCach
     def put(store, x):
         enc = quantize_pages(x, cache.kind, cache.group, _scale_dtype(store))  # leaves [B, T, K, X]
         return jax.tree.map(
-            lambda s, e: s.at[layer, kh, slot, off].set(e.astype(s.dtype), mode="drop"), store, enc)
+            lambda s, e: s.at[layer, kh, slot, off].set(e.astype(s.dtype), mode="drop"), store, enc
+        )
 
     return cache.replace(k=put(cache.k, k_new), v=put(cache.v, v_new))
 
@@ -304,17 +337,28 @@ def append(cache: PagedKVCache, k_new, v_new, n_new=None):
     return advance(cache, granted), granted
 
 
-def attend(cache: PagedKVCache, layer, q, granted=None, *, impl: str = "pallas",
-           interpret: bool = False, return_mass: bool = False, **kernel_kw):
+def attend(
+    cache: PagedKVCache,
+    layer,
+    q,
+    granted=None,
+    *,
+    impl: str = "pallas",
+    interpret: bool = False,
+    return_mass: bool = False,
+    **kernel_kw,
+):
     """Decode attention of q [B, H, E] over one layer's pages (lengths + granted tokens)."""
     lengths = cache.lengths if granted is None else cache.lengths + granted
     args = (q, cache.k, cache.v, cache.block_tables, lengths)
     if impl == "pallas":
-        return paged_attention(*args, layer=layer, return_mass=return_mass, interpret=interpret,
-                               **kernel_kw)
+        return paged_attention(
+            *args, layer=layer, return_mass=return_mass, interpret=interpret, **kernel_kw
+        )
     if impl == "reference":
-        return paged_attention_reference(*args, layer=layer, return_mass=return_mass,
-                                         sm_scale=kernel_kw.get("sm_scale"))
+        return paged_attention_reference(
+            *args, layer=layer, return_mass=return_mass, sm_scale=kernel_kw.get("sm_scale")
+        )
     raise ValueError(f"attention impl {impl!r}: choose 'pallas' or 'reference'")
 
 
@@ -345,8 +389,9 @@ def free(cache: PagedKVCache, rows) -> PagedKVCache:
     """End the sequences in rows [B] bool: their pages return to the pool once unreferenced."""
     rows = jnp.asarray(rows, bool)
     cache = _release(cache, jnp.broadcast_to(rows[:, None], cache.block_tables.shape))
-    return cache.replace(lengths=jnp.where(rows, 0, cache.lengths),
-                         preempted=jnp.where(rows, False, cache.preempted))
+    return cache.replace(
+        lengths=jnp.where(rows, 0, cache.lengths), preempted=jnp.where(rows, False, cache.preempted)
+    )
 
 
 def share_prefix(cache: PagedKVCache, src, dst, n_tokens=None) -> PagedKVCache:
@@ -357,8 +402,10 @@ def share_prefix(cache: PagedKVCache, src, dst, n_tokens=None) -> PagedKVCache:
     src_len = cache.lengths[src]
     n = src_len if n_tokens is None else jnp.asarray(n_tokens, jnp.int32)
     if not _is_traced(cache, src, dst, n) and not 0 <= int(n) <= int(src_len):
-        raise ValueError(f"share_prefix: n_tokens={int(n)} must lie in [0, length of row "
-                         f"{int(src)} = {int(src_len)}]")
+        raise ValueError(
+            f"share_prefix: n_tokens={int(n)} must lie in [0, length of row "
+            f"{int(src)} = {int(src_len)}]"
+        )
     n = jnp.clip(n, 0, src_len)
     cache = free(cache, dst)
     P, page = cache.num_pages, cache.page_size
@@ -366,8 +413,9 @@ def share_prefix(cache: PagedKVCache, src, dst, n_tokens=None) -> PagedKVCache:
     ok = (shared >= 0) & (shared < P)
     refcount = cache.refcount.at[jnp.where(ok, shared, P)].add(jnp.sum(dst), mode="drop")
     tables = jnp.where(dst[:, None], shared[None, :], cache.block_tables)
-    return cache.replace(block_tables=tables, refcount=refcount,
-                         lengths=jnp.where(dst, n, cache.lengths))
+    return cache.replace(
+        block_tables=tables, refcount=refcount, lengths=jnp.where(dst, n, cache.lengths)
+    )
 
 
 def evict_pages(cache: PagedKVCache, drop) -> PagedKVCache:
@@ -396,9 +444,9 @@ def window_evict(cache: PagedKVCache, window: int, sinks: int = 0, rows=None) ->
 
 def invariant_errors(cache: PagedKVCache) -> list[str]:
     """Host-side audit: every table id lies in the pool (or is NO_PAGE), each page's refcount
-    equals the table entries pointing at it, and rows hold pages for all their tokens."""
+    equals the table entries pointing at it, lengths lie in [0, max_len]."""
     bt, ln = np.asarray(cache.block_tables), np.asarray(cache.lengths)
-    rc, P, page = np.asarray(cache.refcount), cache.num_pages, cache.page_size
+    rc, P = np.asarray(cache.refcount), cache.num_pages
     errs = []
     bad = (bt < NO_PAGE) | (bt >= P)
     if bad.any():
@@ -420,7 +468,8 @@ def check(cache: PagedKVCache) -> None:
         raise PagedCacheError(
             f"rows {pre.tolist()} were preempted: the pool ran out of pages (or a row reached "
             f"max_len={cache.max_len}); their last outputs are not valid. Free rows or use a "
-            "bigger pool")
+            "bigger pool"
+        )
     errs = invariant_errors(cache)
     if errs:
         raise PagedCacheError("; ".join(errs))
@@ -449,7 +498,24 @@ def memory_stats(cache: PagedKVCache) -> dict:
 
 
 __all__ = [
-    "KINDS", "NO_PAGE", "VALID_PAGE_SIZES", "OutOfPagesError", "PagedCacheError", "PagedKVCache",
-    "advance", "append", "attend", "check", "evict_pages", "free", "gather", "invariant_errors",
-    "memory_stats", "pages_needed", "reserve", "share_prefix", "window_evict", "write",
+    "KINDS",
+    "NO_PAGE",
+    "VALID_PAGE_SIZES",
+    "OutOfPagesError",
+    "PagedCacheError",
+    "PagedKVCache",
+    "advance",
+    "append",
+    "attend",
+    "check",
+    "evict_pages",
+    "free",
+    "gather",
+    "invariant_errors",
+    "memory_stats",
+    "pages_needed",
+    "reserve",
+    "share_prefix",
+    "window_evict",
+    "write",
 ]

@@ -1,7 +1,5 @@
 """Paged KV cache: allocator invariants (hypothesis), copy-on-write, prefix sharing, errors."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +14,16 @@ B, P, PAGE, MAX_LEN, T = 4, 10, 8, 32, 4  # pool of 10 pages < 4 rows x 4 pages:
 
 
 def _empty(kind="f32", **kw):
-    base = dict(n_layers=1, n_kv_heads=1, head_dim=2, batch=B, num_pages=P, page_size=PAGE,
-                max_len=MAX_LEN, kind=kind)
+    base = {
+        "n_layers": 1,
+        "n_kv_heads": 1,
+        "head_dim": 2,
+        "batch": B,
+        "num_pages": P,
+        "page_size": PAGE,
+        "max_len": MAX_LEN,
+        "kind": kind,
+    }
     base.update(kw)
     return paged.PagedKVCache.init(**base)
 
@@ -78,11 +84,11 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("append"), st.lists(st.integers(0, T), min_size=B, max_size=B)),
         st.tuples(st.just("free"), st.integers(0, B - 1)),
-        st.tuples(st.just("share"), st.integers(0, B - 1), st.integers(0, 15),
-                  st.integers(0, 40)),
+        st.tuples(st.just("share"), st.integers(0, B - 1), st.integers(0, 15), st.integers(0, 40)),
         st.tuples(st.just("evict"), st.integers(0, B - 1), st.sampled_from([(9, 0), (12, 3)])),
     ),
-    min_size=1, max_size=12,
+    min_size=1,
+    max_size=12,
 )
 
 
@@ -149,7 +155,7 @@ def test_copy_on_write_refcounts():
     assert int(cache.refcount[p0]) == 3
     assert (np.asarray(cache.block_tables)[:3, 0] == p0).all()
     new = jnp.full((B, 1, 1, 2), 99.0)
-    cache, g = paged.append(cache, new[None], -new[None], jnp.array([0, 1, 0, 0]))
+    cache, _ = paged.append(cache, new[None], -new[None], jnp.array([0, 1, 0, 0]))
     p1 = int(cache.block_tables[1, 0])
     assert p1 != p0 and int(cache.refcount[p0]) == 2 and int(cache.refcount[p1]) == 1
     k, _, valid = paged.gather(cache, 0)
@@ -174,7 +180,7 @@ def test_out_of_pages_under_jit_preempts_later_rows():
     cache = _empty()
     k = jnp.ones((B, T, 1, 2))
     for _ in range(5):  # 4 rows x 20 tokens need 12 pages; the pool has 10
-        cache, g = _append(cache, k, jnp.full((B,), T, jnp.int32))
+        cache, _ = _append(cache, k, jnp.full((B,), T, jnp.int32))
     pre = np.asarray(cache.preempted)
     assert pre.any() and not pre[0]
     assert paged.invariant_errors(cache) == []
@@ -216,8 +222,9 @@ def _prefix_batch(share: bool, kind="f32"):
     suffix = rng.normal(size=(L, B, 11, K, E)).astype(np.float32)
     step = rng.normal(size=(L, B, 1, K, E)).astype(np.float32)
     n_suffix = jnp.array([3, 8, 0, 11], jnp.int32)
-    cache = paged.PagedKVCache.init(L, K, E, batch=B, num_pages=24, page_size=8, max_len=32,
-                                    kind=kind)
+    cache = paged.PagedKVCache.init(
+        L, K, E, batch=B, num_pages=24, page_size=8, max_len=32, kind=kind
+    )
     pk = jnp.asarray(np.broadcast_to(prompt, (L, B, 13, K, E)))
     if share:
         cache, _ = paged.append(cache, pk, -pk, jnp.array([13, 0, 0, 0]))
@@ -242,11 +249,15 @@ def test_prefix_sharing_attends_to_the_same_kv(kind):
         np.testing.assert_array_equal(np.where(m, ks, 0), np.where(m, ka, 0))
         np.testing.assert_array_equal(np.where(m, vs, 0), np.where(m, va, 0))
     q = jnp.asarray(np.random.default_rng(1).normal(size=(B, 6, 16)), jnp.float32)
-    np.testing.assert_array_equal(paged.attend(shared, 1, q, impl="reference"),
-                                  paged.attend(alone, 1, q, impl="reference"))
+    np.testing.assert_array_equal(
+        paged.attend(shared, 1, q, impl="reference"), paged.attend(alone, 1, q, impl="reference")
+    )
     if kind == "int8":
-        np.testing.assert_allclose(paged.attend(shared, 1, q, interpret=INTERPRET),
-                                   paged.attend(alone, 1, q, interpret=INTERPRET), atol=1e-6)
+        np.testing.assert_allclose(
+            paged.attend(shared, 1, q, interpret=INTERPRET),
+            paged.attend(alone, 1, q, interpret=INTERPRET),
+            atol=1e-6,
+        )
     s_used, a_used = int(np.sum(shared.refcount > 0)), int(np.sum(alone.refcount > 0))
     # the prompt's first full page is stored once instead of 4 times
     assert s_used == a_used - 3, (s_used, a_used)
@@ -261,8 +272,9 @@ def test_decode_step_in_layer_scan(impl):
     k/v and attend; equals dense attention over the same tokens."""
     rng = np.random.default_rng(2)
     L, K, G, E, Bn = 2, 2, 3, 16, 3
-    cache = paged.PagedKVCache.init(L, K, E, batch=Bn, num_pages=12, page_size=8, max_len=32,
-                                    kind="bf16")
+    cache = paged.PagedKVCache.init(
+        L, K, E, batch=Bn, num_pages=12, page_size=8, max_len=32, kind="bf16"
+    )
     hist = jnp.asarray(rng.normal(size=(L, Bn, 15, K, E)), jnp.float32)
     cache, _ = paged.append(cache, hist, -hist, jnp.array([15, 8, 1]))
     k_new = jnp.asarray(rng.normal(size=(L, Bn, K, E)), jnp.float32)
@@ -286,8 +298,9 @@ def test_decode_step_in_layer_scan(impl):
     np.testing.assert_array_equal(cache.lengths, ln)
     for layer in range(L):
         for b in range(Bn):
-            keys = np.concatenate([np.asarray(hist[layer, b, :ln[b] - 1]),
-                                   np.asarray(k_new[layer, b])[None]])  # [S, K, E]
+            keys = np.concatenate(
+                [np.asarray(hist[layer, b, : ln[b] - 1]), np.asarray(k_new[layer, b])[None]]
+            )  # [S, K, E]
             keys = np.asarray(jnp.asarray(keys).astype(jnp.bfloat16).astype(jnp.float32))
             qg = np.asarray(q[layer, b]).reshape(K, G, E)
             s = np.einsum("KGE,SKE->KGS", qg, keys) / np.sqrt(E)

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from kvjax.kernels import paged_attention as pa
 
 INTERPRET = jax.devices()[0].platform != "gpu"
@@ -30,14 +29,21 @@ def _case(seed, kind, G, page, lengths, K=2, extra_pages=2, q_dtype=jnp.float32)
     bt = np.full((B, M), pa.NO_PAGE, np.int32)
     for b, n in enumerate(lengths):
         used = -(-n // page)
-        bt[b, :used] = perm[b * M:b * M + used]
+        bt[b, :used] = perm[b * M : b * M + used]
     q = jnp.asarray(rng.normal(size=(B, K * G, E)), q_dtype)  # [B, H, E]
-    return (q, _pages(rng, kind, K, P, page), _pages(rng, kind, K, P, page),
-            jnp.asarray(bt), jnp.asarray(lengths, jnp.int32))
+    return (
+        q,
+        _pages(rng, kind, K, P, page),
+        _pages(rng, kind, K, P, page),
+        jnp.asarray(bt),
+        jnp.asarray(lengths, jnp.int32),
+    )
 
 
 def _tol(q_dtype):
-    return dict(atol=2e-2, rtol=2e-2) if q_dtype == jnp.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    if q_dtype == jnp.bfloat16:
+        return {"atol": 2e-2, "rtol": 2e-2}
+    return {"atol": 1e-4, "rtol": 1e-4}
 
 
 # (storage kind, G, page, lengths, splits, return_mass, q dtype): lengths include 1 and exact
@@ -56,15 +62,20 @@ CASES = [
 @pytest.mark.parametrize("kind,G,page,lengths,splits,mass,q_dtype", CASES)
 def test_matches_reference(kind, G, page, lengths, splits, mass, q_dtype):
     q, kp, vp, bt, ln = _case(0, kind, G, page, lengths, q_dtype=q_dtype)
-    got = pa.paged_attention(q, kp, vp, bt, ln, num_splits=splits, return_mass=mass,
-                             interpret=INTERPRET)
+    got = pa.paged_attention(
+        q, kp, vp, bt, ln, num_splits=splits, return_mass=mass, interpret=INTERPRET
+    )
     want = pa.paged_attention_reference(q.astype(jnp.float32), kp, vp, bt, ln, return_mass=mass)
     if mass:
         (got, got_mass), (want, want_mass) = got, want
-        assert got_mass.shape == (len(lengths), kp[0].shape[0] if kind.startswith("int")
-                                  else kp.shape[0], bt.shape[1] * page)
-        np.testing.assert_allclose(got_mass, want_mass, atol=1e-4 if q_dtype == jnp.float32
-                                   else 2e-2)
+        assert got_mass.shape == (
+            len(lengths),
+            kp[0].shape[0] if kind.startswith("int") else kp.shape[0],
+            bt.shape[1] * page,
+        )
+        np.testing.assert_allclose(
+            got_mass, want_mass, atol=1e-4 if q_dtype == jnp.float32 else 2e-2
+        )
         np.testing.assert_allclose(np.asarray(got_mass).sum(-1), G, rtol=1e-4)
         past = np.arange(bt.shape[1] * page)[None, :] >= np.asarray(ln)[:, None]
         assert np.all(np.asarray(got_mass)[np.broadcast_to(past[:, None], got_mass.shape)] == 0)
@@ -85,8 +96,9 @@ def test_evicted_pages_garbage_and_empty_rows():
     # row 0's last page is half full: poison its tail too
     kp = kp.at[:, bt[0, 2], 4:].set(jnp.inf)
     vp = vp.at[:, bt[0, 2], 4:].set(jnp.nan)
-    got, mass = pa.paged_attention(q, kp, vp, bt, ln, num_splits=2, return_mass=True,
-                                   interpret=INTERPRET)
+    got, mass = pa.paged_attention(
+        q, kp, vp, bt, ln, num_splits=2, return_mass=True, interpret=INTERPRET
+    )
     want, want_mass = pa.paged_attention_reference(q, kp, vp, bt, ln, return_mass=True)
     assert np.isfinite(np.asarray(got)).all() and np.isfinite(np.asarray(mass)).all()
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
@@ -106,8 +118,9 @@ def test_layer_axis_under_jit():
     def run(layer, bt):
         return pa.paged_attention(q, kl, vl, bt, ln, layer=layer, interpret=INTERPRET)
 
-    np.testing.assert_allclose(run(1, bt), pa.paged_attention_reference(q, kp, vp, bt, ln),
-                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        run(1, bt), pa.paged_attention_reference(q, kp, vp, bt, ln), atol=1e-4, rtol=1e-4
+    )
     assert L == jax.tree.leaves(kl)[0].shape[0]
 
 
@@ -166,8 +179,9 @@ def test_quantized_layouts_match_kvjax_formats():
     np.testing.assert_allclose(pa.dequantize_pages(p4), formats.dequantize_per_token(d4, 4, 16))
     # nibble order: element 2i low, 2i+1 high
     c = np.asarray(p4.q[0, 0, 0, 0])
-    codes = np.round((np.asarray(x[0, 0, 0, :2]) - float(p4.zero[0, 0, 0, 0]))
-                     / float(p4.scale[0, 0, 0, 0]))
+    codes = np.round(
+        (np.asarray(x[0, 0, 0, :2]) - float(p4.zero[0, 0, 0, 0])) / float(p4.scale[0, 0, 0, 0])
+    )
     assert (c & 15, c >> 4) == tuple(np.clip(codes, 0, 15).astype(int))
 
 
