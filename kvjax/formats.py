@@ -44,7 +44,7 @@ KEY_MODES = ("channel", "token")
 INT_BITS = (2, 4, 8)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-FORMATS: dict[str, type["KVFormat"]] = {}
+FORMATS: dict[str, type[KVFormat]] = {}
 
 
 def register(cls):
@@ -82,7 +82,9 @@ def pack_bits(q, bits: int):
     _check_bits(bits)
     per = 8 // bits
     if q.shape[-1] % per:
-        raise ValueError(f"pack_bits: last dim {q.shape[-1]} is not a multiple of {per} ({bits}-bit)")
+        raise ValueError(
+            f"pack_bits: last dim {q.shape[-1]} is not a multiple of {per} ({bits}-bit)"
+        )
     q = q.astype(jnp.uint8)
     if per == 1:
         return q
@@ -157,7 +159,7 @@ def dequantize_per_token(d: dict, bits: int, group: int):
 
 
 def quantize_int8(x) -> dict:
-    """Symmetric per-token int8: {"q": int8 [..., E], "scale": float16 [..., 1]}, q in [-127, 127]."""
+    """Symmetric per-token int8: {"q": int8 [..., E] in [-127, 127], "scale": f16 [..., 1]}."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)  # [..., 1]
     scale = _f16_up(jnp.maximum(amax / 127.0, TINY))
@@ -362,12 +364,18 @@ class _IntFormat(KVFormat):
     residual: int | None = None  # default: one group
 
     def __post_init__(self):
-        if not isinstance(self.group, int) or self.group <= 0:
+        if (
+            isinstance(self.group, bool)
+            or not isinstance(self.group, (int, np.integer))
+            or self.group <= 0
+        ):
             raise ValueError(f"{self.name}: group={self.group!r} must be a positive int")
         if self.key_mode not in KEY_MODES:
             raise ValueError(f"{self.name}: key_mode={self.key_mode!r} is not one of {KEY_MODES}")
         r = self.residual
-        if r is not None and (not isinstance(r, int) or r < self.group or r % self.group):
+        if r is not None and (
+            not isinstance(r, (int, np.integer)) or r < self.group or r % self.group
+        ):
             raise ValueError(
                 f"{self.name}: residual={r!r} must be a positive multiple of group={self.group} "
                 f"(the residual holds whole open groups), e.g. {self.group} or {2 * self.group}"
@@ -441,7 +449,9 @@ class _IntFormat(KVFormat):
             res = _layer(store["res"], layer)  # [B, K, S, g, E]
             B, K, S, _, E = res.shape
             C = out.shape[2]
-            rs = _residual_slots(_layer(store["res_group"], layer), _layer(store["res_mask"], layer), C)
+            rs = _residual_slots(
+                _layer(store["res_group"], layer), _layer(store["res_mask"], layer), C
+            )
             b = jnp.arange(B)[:, None, None]
             h = jnp.arange(K)[None, :, None]
             return out.at[b, h, rs].set(res.reshape(B, K, S * g, E), mode="drop")
@@ -449,9 +459,7 @@ class _IntFormat(KVFormat):
     def _write_channel(self, store, layer, slots, x):
         """Per-channel keys: plan every (row, head) with `_channel_plan`, then scatter."""
         C = store["q"].shape[3]
-        plan = jax.vmap(
-            jax.vmap(lambda *a: _channel_plan(*a, bits=self.bits, C=C))
-        )(
+        plan = jax.vmap(jax.vmap(lambda *a: _channel_plan(*a, bits=self.bits, C=C)))(
             _layer(store["res"], layer),  # [B, K, S, g, E]
             _layer(store["res_group"], layer),  # [B, K, S]
             _layer(store["res_mask"], layer),  # [B, K, S, g]
@@ -514,14 +522,18 @@ def _channel_plan(res, res_group, res_mask, cs, cz, slots, x, *, bits: int, C: i
     # fresh per-channel params for groups sealed now
     lo = jax.ops.segment_min(jnp.where(seal[:, None], xs, jnp.inf), gid, NG + 1)[gid]  # [N, E]
     hi = jax.ops.segment_max(jnp.where(seal[:, None], xs, -jnp.inf), gid, NG + 1)[gid]
-    new_cs, new_cz = asym_params(jnp.where(seal[:, None], lo, 0.0), jnp.where(seal[:, None], hi, 0.0), bits)
+    new_cs, new_cz = asym_params(
+        jnp.where(seal[:, None], lo, 0.0), jnp.where(seal[:, None], hi, 0.0), bits
+    )
     pad = jnp.zeros((1, E), META_DTYPE)
     ch_cs = jnp.where(seal[:, None], new_cs, jnp.concatenate([cs, pad])[gid])  # [N, E]
     ch_cz = jnp.where(seal[:, None], new_cz, jnp.concatenate([cz, pad])[gid])
     # channel codes (fresh params, or the group's existing ones for flushed keys)
     levels = 2**bits - 1
     has = jnp.all(ch_cs > 0, axis=-1)  # [N] the group has params
-    r = jnp.round((xs - ch_cz.astype(jnp.float32)) / jnp.where(ch_cs > 0, ch_cs, 1).astype(jnp.float32))
+    r = jnp.round(
+        (xs - ch_cz.astype(jnp.float32)) / jnp.where(ch_cs > 0, ch_cs, 1).astype(jnp.float32)
+    )
     fits = has & jnp.all((r >= 0) & (r <= levels), axis=-1)  # [N] no clipping
     ch_q = jnp.clip(r, 0, levels).astype(jnp.uint8)  # [N, E]
     ch_err = jnp.max(jnp.abs(ch_q * ch_cs.astype(jnp.float32) + ch_cz.astype(jnp.float32) - xs), -1)
@@ -582,10 +594,17 @@ def get_format(name: str, **options) -> KVFormat:
 def byte_table(shape=(30, 1, 3, 2048, 64)) -> list[tuple[str, int, float]]:
     """(format, bytes of k+v, ratio to bf16) for the default formats and main variants."""
     variants = [
-        ("f32", {}), ("bf16", {}), ("fp8", {}), ("int8", {}),
-        ("int4", {}), ("int4", {"key_mode": "token"}), ("int4", {"group": 64, "key_mode": "token"}),
+        ("f32", {}),
+        ("bf16", {}),
+        ("fp8", {}),
+        ("int8", {}),
+        ("int4", {}),
+        ("int4", {"key_mode": "token"}),
+        ("int4", {"group": 64, "key_mode": "token"}),
         ("int4", {"group": 64}),
-        ("int2", {}), ("int2", {"key_mode": "token"}), ("int2", {"group": 64, "key_mode": "token"}),
+        ("int2", {}),
+        ("int2", {"key_mode": "token"}),
+        ("int2", {"group": 64, "key_mode": "token"}),
         ("int2", {"group": 64}),
     ]
     base = get_format("bf16").nbytes(shape)
