@@ -1,0 +1,193 @@
+"""The task protocol, the context a task runs in, and the jitted steps the tasks share.
+
+A task is a frozen dataclass of its settings with `seq_len()` (the longest sequence it feeds,
+known before the model loads), `validate()` and `run(ctx) -> TaskResult`. Every task runs the
+model through `forward`, so the cache policy and storage format are live throughout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from kvjax.cache import KVCache
+from kvjax.config import ModelConfig
+from kvjax.generate import decode_step, prefill, sample
+from kvjax.model import forward
+
+TASKS: dict[str, type["Task"]] = {}
+
+
+def register(cls):
+    """Class decorator: makes a task selectable by its `name`."""
+    TASKS[cls.name] = cls
+    return cls
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskContext:
+    """Everything a task run needs: the model, the cache policy and format, the text."""
+
+    params: Any
+    cfg: ModelConfig
+    tokenizer: Any
+    policy: Any
+    fmt: Any
+    max_len: int
+    text: str
+    seed: int = 0
+    is_baseline: bool = False
+    progress: bool | None = None  # None: a bar only when attached to a terminal
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskResult:
+    """metrics: scalars (the task's `metric` among them); arrays: per-token numpy arrays saved
+    as <name>.npy; curves: per-step series ({"step": [...], name: [...]}); rows: per-sample or
+    per-cell table rows; cache: the final cache (for byte accounting)."""
+
+    metrics: dict
+    arrays: dict = dataclasses.field(default_factory=dict)
+    curves: dict = dataclasses.field(default_factory=dict)
+    rows: list = dataclasses.field(default_factory=list)
+    cache: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """Base task. `has_prompt`: it prefills a prompt and then decodes (prefill-only policies
+    such as SnapKV need one); `metric`: the quality number, `higher_is_better` its direction."""
+
+    name: ClassVar[str] = "base"
+    metric: ClassVar[str] = "value"
+    higher_is_better: ClassVar[bool] = False
+    has_prompt: ClassVar[bool] = False
+
+    def seq_len(self) -> int:
+        raise NotImplementedError
+
+    def validate(self) -> None:
+        """Raise a clear error for settings that cannot work (before the model loads)."""
+
+    def run(self, ctx: TaskContext) -> TaskResult:
+        raise NotImplementedError
+
+
+def check_positive(task: Task, **values) -> None:
+    for k, v in values.items():
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"task {task.name!r}: {k}={v!r} must be a positive integer")
+
+
+def check_depths(task: Task, depths: Sequence[float]) -> None:
+    bad = [d for d in depths if not 0.0 <= float(d) <= 1.0]
+    if bad or not depths:
+        raise ValueError(
+            f"task {task.name!r}: depths {list(depths)} must be a non-empty list of "
+            "fractions in [0, 1] (0 = start of the context, 1 = end)"
+        )
+
+
+def effective_chunk(chunk: int, policy, max_len: int, n_tokens: int) -> int:
+    """The chunk size used: at most what the policy can place in one update and the text.
+
+    A chunk above `policy.max_chunk(max_len)` is clamped to it (the record keeps the value
+    used as `chunk_used`)."""
+    return max(1, min(chunk, policy.max_chunk(max_len), n_tokens))
+
+
+def bar(iterable, ctx: TaskContext, desc: str, total: int | None = None):
+    """tqdm over `iterable`, quiet unless attached to a terminal (or forced by ctx.progress)."""
+    disable = None if ctx.progress is None else not ctx.progress
+    return tqdm(iterable, desc=desc, total=total, disable=disable, leave=False, dynamic_ncols=True)
+
+
+def after_prefill(cache: KVCache) -> KVCache:
+    """The hook between prefill and decode: a policy's optional `compress` (SnapKV-style)."""
+    compress = getattr(cache.policy, "compress", None)
+    return cache if compress is None else compress(cache)
+
+
+def is_prefill_only(policy) -> bool:
+    """Policies that select the cache once after a prompt (they need a task with a prompt)."""
+    return bool(getattr(policy, "prefill_only", False))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def nll_chunk(params, tokens, targets, n_valid, cache: KVCache, cfg: ModelConfig):
+    """Forward one chunk; nll [B, T] of each target (the next token) and the new cache."""
+    logits, cache = forward(params, tokens, cache, cfg, n_valid)
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache", "ref_cache"))
+def agreement_chunk(params, tokens, targets, n_valid, cache, ref_cache, cfg: ModelConfig):
+    """One chunk through the run's cache and a full f32 reference cache side by side.
+
+    Returns KL(p_ref || p) [B, T], top-1 agreement [B, T], nll and reference nll [B, T], and
+    both new caches."""
+    logits, cache = forward(params, tokens, cache, cfg, n_valid)
+    ref_logits, ref_cache = forward(params, tokens, ref_cache, cfg, n_valid)
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    lr = jax.nn.log_softmax(ref_logits, axis=-1)
+    kl = jnp.maximum(jnp.sum(jnp.exp(lr) * (lr - lp), axis=-1), 0.0)  # >= 0 up to rounding
+    top1 = jnp.argmax(logits, axis=-1) == jnp.argmax(ref_logits, axis=-1)
+    take = lambda a: -jnp.take_along_axis(a, targets[..., None], axis=-1)[..., 0]  # noqa: E731
+    return kl, top1, take(lp), take(lr), cache, ref_cache
+
+
+def chunked(ids: Sequence[int], chunk: int):
+    """(start, tokens [1, chunk], targets [1, chunk], n_valid [1]) over ids, zero-padded.
+
+    targets[t] = ids[start + t + 1] (0 past the end: those positions have no target)."""
+    n = len(ids)
+    n_chunks = math.ceil(n / chunk)
+    padded = np.zeros(n_chunks * chunk + 1, np.int32)
+    padded[:n] = ids
+    for s in range(0, n, chunk):
+        yield (
+            s,
+            jnp.asarray(padded[None, s:s + chunk]),
+            jnp.asarray(padded[None, s + 1:s + chunk + 1]),
+            jnp.asarray([min(chunk, n - s)], jnp.int32),
+        )
+
+
+def greedy_generate(ctx: TaskContext, prompts: Sequence[Sequence[int]], new_tokens: int,
+                    chunk: int):
+    """Prefill the prompts (right-padded, in chunks), run the after-prefill hook, then decode
+    `new_tokens` greedily. Returns (tokens [B, new_tokens] numpy, final cache)."""
+    cache = KVCache.init(ctx.cfg, len(prompts), ctx.policy, ctx.fmt, ctx.max_len)
+    chunk = effective_chunk(chunk, ctx.policy, ctx.max_len, max(len(p) for p in prompts))
+    logits, cache = prefill(ctx.params, prompts, cache, ctx.cfg, chunk)
+    cache = after_prefill(cache)
+    key = jax.random.PRNGKey(0)
+    out = []
+    for _ in range(new_tokens):
+        tok = sample(logits, key, 0.0)
+        out.append(tok)
+        logits, cache = decode_step(ctx.params, tok, cache, ctx.cfg)
+    cache.check_finite()
+    return np.asarray(jnp.stack(out, axis=1)), cache
+
+
+def chat_frame(tokenizer) -> tuple[list[int], list[int]]:
+    """Ids before and after a user message's content in the model's chat template (with the
+    assistant's generation prompt), so prompts can be assembled with exact token counts."""
+    marker = "@@KVJAX_CONTENT@@"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], True)
+    before, after = text.split(marker)
+    return tokenizer.encode(before), tokenizer.encode(after)
+
+
+def contains_answer(answer: str, key: int) -> bool:
+    return str(key) in answer

@@ -1,0 +1,115 @@
+"""`needle`: a depth x length grid of retrieval accuracy (needle in a haystack).
+
+The haystack is real prose (the task's text, default pydoc_data.topics). For each context
+length and depth, a sentence holding a seeded magic number is inserted at that fraction of
+the haystack (moved back to the nearest sentence end within 64 tokens), inside the model's
+chat template, with the question after it and the answer started as in `passkey`. Each cell
+averages `n_samples` seeded samples; every length runs as one batch (depths x samples).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvjax.tasks.base import (
+    Task, TaskContext, TaskResult, bar, chat_frame, check_depths, check_positive,
+    contains_answer, greedy_generate, register,
+)
+from kvjax.tasks.passkey import random_key
+from kvjax.tasks.text import encode_prefix
+
+NEEDLE = " The special magic number is {key}. "
+QUESTION = "\n\nWhat is the special magic number mentioned in the text above?"
+ANSWER = "The special magic number is"
+
+
+def sentence_boundary(tokenizer, ids: list[int], pos: int, window: int = 64) -> int:
+    """The nearest index <= pos right after a token ending a sentence (else pos)."""
+    for j in range(pos, max(0, pos - window), -1):
+        if tokenizer.decode([ids[j - 1]]).rstrip(" ").endswith((".", "\n")):
+            return j
+    return pos
+
+
+def needle_prompt(tokenizer, haystack: list[int], length: int, depth: float, key: int):
+    """A chat prompt of exactly `length` ids: haystack prefix with the needle at `depth`."""
+    before, after = chat_frame(tokenizer)
+    needle, question = tokenizer.encode(NEEDLE.format(key=key)), tokenizer.encode(QUESTION)
+    answer = tokenizer.encode(ANSWER)
+    fixed = len(before) + len(needle) + len(question) + len(after) + len(answer)
+    n_hay = length - fixed
+    if n_hay < 1:
+        raise ValueError(
+            f"task 'needle': length {length} is too short for the prompt's fixed parts "
+            f"({fixed} tokens); use lengths >= {fixed + 16}"
+        )
+    if n_hay > len(haystack):
+        raise ValueError(
+            f"task 'needle': the text has {len(haystack)} tokens, too few for length {length}"
+        )
+    hay = haystack[:n_hay]
+    at = sentence_boundary(tokenizer, hay, round(depth * n_hay))
+    return before + hay[:at] + needle + hay[at:] + question + after + answer
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Needle(Task):
+    """Retrieval accuracy per (depth, length) cell; the metric is the grid's mean."""
+
+    name = "needle"
+    metric = "accuracy"
+    higher_is_better = True
+    has_prompt = True
+    lengths: tuple[int, ...] = (256, 512, 1024)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    n_samples: int = 1
+    digits: int = 7
+    new_tokens: int = 12
+    chunk: int = 256
+    text_file: str | None = None
+
+    def seq_len(self) -> int:
+        return max(self.lengths) + self.new_tokens
+
+    def validate(self) -> None:
+        check_positive(self, n_samples=self.n_samples, digits=self.digits,
+                       new_tokens=self.new_tokens, chunk=self.chunk)
+        if not self.lengths:
+            raise ValueError("task 'needle': lengths must be a non-empty list of token counts")
+        for n in self.lengths:
+            check_positive(self, length=n)
+        check_depths(self, self.depths)
+        if self.new_tokens < self.digits:
+            raise ValueError(
+                f"task 'needle': new_tokens={self.new_tokens} cannot hold a {self.digits}-digit "
+                f"number (digits are single tokens); use new_tokens >= {self.digits + 2}"
+            )
+
+    def run(self, ctx: TaskContext) -> TaskResult:
+        haystack = encode_prefix(ctx.tokenizer, ctx.text, max(self.lengths))
+        acc = np.zeros((len(self.depths), len(self.lengths)))
+        rows, cache = [], None
+        for j, length in enumerate(bar(self.lengths, ctx, f"needle ({ctx.policy.name})")):
+            cells = [(i, d, s) for i, d in enumerate(self.depths) for s in range(self.n_samples)]
+            keys = [random_key((ctx.seed * 1009 + j) * 100003 + n, self.digits)
+                    for n in range(len(cells))]
+            prompts = [needle_prompt(ctx.tokenizer, haystack, length, d, k)
+                       for (_, d, _), k in zip(cells, keys)]
+            out, cache = greedy_generate(ctx, prompts, self.new_tokens, self.chunk)
+            for (i, d, s), k, toks in zip(cells, keys, out):
+                answer = ctx.tokenizer.decode(toks, skip_special_tokens=True)
+                ok = contains_answer(answer, k)
+                acc[i, j] += ok / self.n_samples
+                rows.append({"length": length, "depth": d, "sample": s, "key": k,
+                             "answer": answer, "correct": ok})
+        return TaskResult(
+            metrics={"accuracy": float(acc.mean()),
+                     "grid": {"depths": list(self.depths), "lengths": list(self.lengths),
+                              "accuracy": acc.tolist()},
+                     "n_samples": self.n_samples},
+            rows=rows,
+            cache=cache,
+        )

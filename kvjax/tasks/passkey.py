@@ -1,0 +1,98 @@
+"""`passkey`: a number planted in repetitive filler at a chosen depth, asked back in a chat turn.
+
+Prompts are assembled in token space so each one is exactly `length` tokens: the chat
+template's user turn holds an instruction, filler sentences with the key sentence at `depth`
+(snapped to a filler-unit boundary), and the question; the assistant turn is started with
+"The pass key is" so a few greedy tokens hold the answer. A sample is correct when the
+decoded answer contains the number. Samples are seeded (seed + sample index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvjax.tasks.base import (
+    Task, TaskContext, TaskResult, chat_frame, check_depths, check_positive, contains_answer,
+    greedy_generate, register,
+)
+
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about it.\n\n")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+KEY = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\n\nWhat is the pass key?"
+ANSWER = "The pass key is"
+
+
+def random_key(seed: int, digits: int) -> int:
+    rng = np.random.default_rng(seed)
+    return int(rng.integers(10 ** (digits - 1), 10**digits))
+
+
+def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
+    """A chat prompt of exactly `length` ids with the key sentence at `depth` of the filler."""
+    before, after = chat_frame(tokenizer)
+    intro, key_ids = tokenizer.encode(INTRO), tokenizer.encode(KEY.format(key=key))
+    question, answer = tokenizer.encode(QUESTION), tokenizer.encode(ANSWER)
+    unit = tokenizer.encode(FILLER)
+    fixed = len(before) + len(intro) + len(key_ids) + len(question) + len(after) + len(answer)
+    n_fill = length - fixed
+    if n_fill < 0:
+        raise ValueError(
+            f"task 'passkey': length={length} is too short for the prompt's fixed parts "
+            f"({fixed} tokens); use length >= {fixed + len(unit)}"
+        )
+    filler = (unit * (n_fill // len(unit) + 1))[:n_fill]
+    at = min(round(depth * (n_fill // len(unit))) * len(unit), n_fill)
+    return before + intro + filler[:at] + key_ids + filler[at:] + question + after + answer
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Passkey(Task):
+    """Accuracy of retrieving a `digits`-digit pass key over `n_samples` seeded prompts."""
+
+    name = "passkey"
+    metric = "accuracy"
+    higher_is_better = True
+    has_prompt = True
+    length: int = 1024
+    depth: float = 0.5
+    n_samples: int = 5
+    digits: int = 5
+    new_tokens: int = 10
+    chunk: int = 256
+
+    def seq_len(self) -> int:
+        return self.length + self.new_tokens
+
+    def validate(self) -> None:
+        check_positive(self, length=self.length, n_samples=self.n_samples, digits=self.digits,
+                       new_tokens=self.new_tokens, chunk=self.chunk)
+        check_depths(self, [self.depth])
+        if self.new_tokens < self.digits:
+            raise ValueError(
+                f"task 'passkey': new_tokens={self.new_tokens} cannot hold a {self.digits}-digit "
+                f"key (digits are single tokens); use new_tokens >= {self.digits + 2}"
+            )
+
+    def run(self, ctx: TaskContext) -> TaskResult:
+        keys = [random_key(ctx.seed * 100003 + i, self.digits) for i in range(self.n_samples)]
+        prompts = [passkey_prompt(ctx.tokenizer, self.length, self.depth, k) for k in keys]
+        out, cache = greedy_generate(ctx, prompts, self.new_tokens, self.chunk)
+        rows = []
+        for i, (k, toks) in enumerate(zip(keys, out)):
+            answer = ctx.tokenizer.decode(toks, skip_special_tokens=True)
+            rows.append({"sample": i, "depth": self.depth, "length": self.length, "key": k,
+                         "answer": answer, "correct": contains_answer(answer, k)})
+        correct = [r["correct"] for r in rows]
+        return TaskResult(
+            metrics={"accuracy": float(np.mean(correct)), "n_correct": int(sum(correct)),
+                     "n_samples": self.n_samples, "n_tokens": self.length},
+            curves={"step": list(range(1, len(correct) + 1)),
+                    "running_accuracy": list(np.cumsum(correct) / np.arange(1, len(correct) + 1))},
+            rows=rows,
+            cache=cache,
+        )

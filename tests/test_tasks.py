@@ -1,0 +1,186 @@
+"""Evaluation tasks on the tiny random model: streaming NLL, agreement, passkey, needle."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.cache import KVCache
+from kvjax.experiment import ModelSpec, load
+from kvjax.formats import get_format
+from kvjax.policies import get_policy
+from kvjax.tasks import TASKS, TaskContext, get_task
+from kvjax.tasks.base import bar, chat_frame, contains_answer, effective_chunk, nll_chunk
+from kvjax.tasks.needle import needle_prompt
+from kvjax.tasks.passkey import KEY, passkey_prompt
+from kvjax.tasks.text import CharTokenizer, default_text, encode_prefix, load_text, sha256_text
+
+DATA = Path(__file__).parent / "data"
+TINY = ModelSpec("tiny", 0, (("head_dim", 32), ("max_seq_len", 8192)))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load(TINY)
+
+
+def ctx_for(tiny, policy="full", fmt="f32", max_len=64, text=None, **kw):
+    return TaskContext(tiny.params, tiny.cfg, tiny.tokenizer, get_policy(policy, **kw),
+                       get_format(fmt), max_len, text or default_text(),
+                       is_baseline=(policy, fmt) == ("full", "f32"))
+
+
+def test_default_text_is_pydoc_topics_and_matches_reference_start():
+    text = default_text()
+    ref = (DATA / "text.txt").read_text(encoding="utf-8")
+    from pydoc_data import topics
+
+    assert text == "".join(topics.topics[k] for k in sorted(topics.topics))
+    if text.startswith(ref[:200]):  # the module differs between Python versions
+        assert text.startswith(ref)
+    assert sha256_text(ref) == hashlib.sha256(ref.encode()).hexdigest()
+
+
+def test_load_text_file_and_bad_files(tmp_path):
+    p = tmp_path / "t.txt"
+    p.write_text("héllo wörld", encoding="utf-8")
+    assert load_text(str(p)) == ("héllo wörld", str(p.resolve()))
+    assert load_text(None)[1] == "pydoc_data.topics"
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_text(str(tmp_path / "missing.txt"))
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\xfa")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        load_text(str(bad))
+
+
+def test_encode_prefix_equals_whole_text_prefix():
+    tok = CharTokenizer(64)
+    text = default_text()[:5000]
+    assert encode_prefix(tok, text, 100) == tok.encode(text)[:100]
+    assert encode_prefix(tok, "short", 100) == tok.encode("short")
+
+
+def test_perplexity_matches_one_shot_forward_for_any_chunk(tiny):
+    ctx = ctx_for(tiny)
+    ids = encode_prefix(tiny.tokenizer, ctx.text, 64)
+    cache = KVCache.init(tiny.cfg, 1, get_policy("full"), get_format("f32"), 64)
+    toks = jnp.asarray([ids])
+    targets = jnp.asarray([ids[1:] + [0]])
+    one_shot, _ = nll_chunk(tiny.params, toks, targets, jnp.asarray([64]), cache, tiny.cfg)
+    want = np.asarray(one_shot[0, :63])
+    for chunk in (16, 1000):  # 1000 is clamped to the text: one chunk
+        res = get_task("perplexity", length=64, chunk=chunk).run(ctx)
+        nll = res.arrays["nll"]
+        assert nll.dtype == np.float32 and nll.shape == (63,)
+        np.testing.assert_allclose(nll, want, atol=2e-5)
+        assert res.metrics["perplexity"] == pytest.approx(np.exp(want.mean()), rel=1e-5)
+        assert res.metrics["chunk_used"] == min(chunk, 64)
+        assert res.curves["running_nll"][-1] == pytest.approx(want.mean(), rel=1e-5)
+    assert 2.0 < np.exp(want.mean()) < 200.0  # a random 64-token model: about uniform
+
+
+def test_perplexity_with_eviction_differs_and_chunk_is_clamped(tiny):
+    window = ctx_for(tiny, "window", budget=16)
+    res = get_task("perplexity", length=64, chunk=16).run(window)
+    full = get_task("perplexity", length=64, chunk=16).run(ctx_for(tiny))
+    assert res.cache.capacity == 16
+    assert not np.allclose(res.arrays["nll"][20:], full.arrays["nll"][20:])
+    np.testing.assert_allclose(res.arrays["nll"][:16], full.arrays["nll"][:16], atol=2e-5)
+
+    class Tight:  # a policy that can place at most 8 new tokens per update
+        def max_chunk(self, max_len):
+            return 8
+
+    assert effective_chunk(128, Tight(), 64, 64) == 8
+    assert effective_chunk(128, get_policy("full"), 64, 40) == 40
+
+
+def test_agreement_full_vs_itself_and_vs_bf16(tiny):
+    task = get_task("agreement", length=64, chunk=16)
+    same = task.run(ctx_for(tiny))
+    assert same.metrics["kl"] == 0.0 and same.metrics["top1"] == 1.0
+    bf16 = task.run(ctx_for(tiny, fmt="bf16"))
+    assert 0.0 <= bf16.metrics["kl"] < 1e-3
+    assert bf16.metrics["top1"] > 0.9
+    assert bf16.metrics["perplexity_full"] == pytest.approx(same.metrics["perplexity"], rel=1e-5)
+    assert bf16.arrays["kl"].shape == (64,) and bf16.arrays["nll"].shape == (63,)
+
+
+def test_passkey_prompt_exact_length_depth_and_chat_template():
+    tok = CharTokenizer(64)
+    for depth in (0.0, 0.5, 1.0):
+        ids = passkey_prompt(tok, 600, depth, 12345)
+        assert len(ids) == 600
+        text = tok.decode(ids)
+        before, _ = chat_frame(tok)
+        assert ids[: len(before)] == before
+        key_at = text.index(KEY.format(key=12345).lower()[:20]) / len(text)
+        assert abs(key_at - depth) < 0.35
+        assert text.endswith("assistant: the pass key is")
+    with pytest.raises(ValueError, match="too short"):
+        passkey_prompt(tok, 50, 0.5, 12345)
+
+
+def test_needle_prompt_exact_length_and_sentence_boundary():
+    tok = CharTokenizer(64)
+    hay = tok.encode(default_text()[:3000])
+    ids = needle_prompt(tok, hay, 500, 0.5, 7654321)
+    assert len(ids) == 500
+    text = tok.decode(ids)
+    assert "the special magic number is 7654321." in text
+    with pytest.raises(ValueError, match="too few"):
+        needle_prompt(tok, hay[:100], 500, 0.5, 1)
+
+
+def test_passkey_and_needle_run_with_eviction(tiny):
+    ctx = ctx_for(tiny, "window", max_len=420, budget=64)
+    res = get_task("passkey", length=400, n_samples=2, new_tokens=8, chunk=128).run(ctx)
+    assert res.metrics["n_samples"] == 2 and len(res.rows) == 2
+    assert {r["correct"] for r in res.rows} <= {True, False}
+    assert res.cache.capacity == 64
+    res = get_task("needle", lengths=[300, 400], depths=[0.0, 1.0], new_tokens=8,
+                   chunk=128).run(ctx)
+    grid = res.metrics["grid"]
+    assert grid["lengths"] == [300, 400] and grid["depths"] == [0.0, 1.0]
+    assert np.asarray(grid["accuracy"]).shape == (2, 2) and len(res.rows) == 4
+
+
+def test_contains_answer():
+    assert contains_answer(" 71432.\n", 71432)
+    assert not contains_answer(" 7143", 71432)
+
+
+def test_get_task_errors_list_choices():
+    with pytest.raises(ValueError, match="valid tasks: agreement, needle, passkey, perplexity"):
+        get_task("nope")
+    with pytest.raises(ValueError, match="has no option"):
+        get_task("perplexity", lenght=3)
+    with pytest.raises(ValueError, match="depths"):
+        get_task("needle", depths=[1.5])
+    with pytest.raises(ValueError, match="positive"):
+        get_task("perplexity", chunk=0)
+    with pytest.raises(ValueError, match="new_tokens"):
+        get_task("passkey", digits=5, new_tokens=3)
+    assert get_task("needle", lengths=[1, 2]).lengths == (1, 2)
+    assert set(TASKS) == {"perplexity", "passkey", "needle", "agreement"}
+
+
+def test_task_seq_len_and_prompt_flags():
+    assert get_task("perplexity", length=100).seq_len() == 100
+    assert get_task("passkey", length=100, new_tokens=10).seq_len() == 110
+    assert get_task("needle", lengths=[50, 80], new_tokens=12).seq_len() == 92
+    assert [TASKS[n].has_prompt for n in ("perplexity", "agreement", "passkey", "needle")] == [
+        False, False, True, True]
+
+
+def test_progress_bar_is_quiet_without_a_terminal(tiny):
+    ctx = ctx_for(tiny)
+    assert bar(range(3), ctx, "x").disable  # pytest captures stderr: not a TTY
+    assert not bar(range(3), dataclasses.replace(ctx, progress=True), "x").disable
+    assert bar(range(3), dataclasses.replace(ctx, progress=False), "x").disable
