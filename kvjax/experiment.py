@@ -1,0 +1,592 @@
+"""One experiment point: (model, policy, kv format, budget, task) -> one record.
+
+`plan(spec)` checks everything that can be checked before the model loads (names, options,
+budgets, policy/task combinations) and derives the point's key; `execute(plan, run_dir)` loads
+the model, runs the task through the live cache, compares it with the full-cache baseline
+(computed once per model/task/text and cached on disk), measures prefill and decode speed and
+the cache's bytes, writes `metrics.json` and per-token arrays into the run directory, appends
+the record to the results store and logs it to W&B. No Hydra here: `run.py` builds a
+`RunSpec` from its config, and tests build one directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import KVCache, closed_form_bytes
+from kvjax.generate import decode_step, prefill
+from kvjax.policies import POLICIES, get_policy
+from kvjax.results import (
+    SCHEMA, WANDB_MODES, ResultsStore, atomic_write_text, canonical_json, config_hash, log_wandb,
+    to_jsonable,
+)
+from kvjax.tasks import Task, TaskContext, TaskResult
+from kvjax.tasks.base import after_prefill, effective_chunk, is_prefill_only
+from kvjax.tasks.text import CharTokenizer, encode_prefix, load_text, sha256_text
+
+TINY = "tiny"
+BASELINE_POLICY, BASELINE_FORMAT = "full", "f32"
+NOMINAL_BITS = {"f32": 32, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}
+
+
+class ConfigError(ValueError):
+    """A setting or combination of settings that cannot run (raised before the model loads)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A registered model name, a .gguf path or a HF directory; "tiny" builds a random-init
+    `kvjax.config.tiny_config(**overrides)` with PRNG seed `init_seed`."""
+
+    name: str = "smollm2-135m"
+    init_seed: int = 0
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedSpec:
+    """The speed probe: prefill `prompt` tokens, then decode `new_tokens` (0 disables it)."""
+
+    prompt: int = 256
+    new_tokens: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbSpec:
+    mode: str = "offline"
+    project: str = "kvjax"
+    entity: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Everything one run needs, as frozen values (built from the Hydra config by run.py)."""
+
+    task: Task
+    model: ModelSpec = ModelSpec()
+    policy: str = "full"
+    policy_options: tuple[tuple[str, Any], ...] = ()
+    kv_dtype: str = "f32"
+    kv_options: tuple[tuple[str, Any], ...] = ()
+    budget: int | None = None
+    seed: int = 0
+    max_len: int | None = None
+    sweep: str | None = None
+    speed: SpeedSpec = SpeedSpec()
+    results: str = "results/results.jsonl"
+    baselines: str | None = None
+    wandb: WandbSpec = WandbSpec()
+    force: bool = False
+    progress: bool | None = None
+    config: dict | None = dataclasses.field(default=None, compare=False, hash=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A checked spec: the policy and format objects, the cache length, the point and its key,
+    and the task's text (read and decoded before the model loads)."""
+
+    spec: RunSpec
+    policy: Any
+    fmt: Any
+    max_len: int
+    point: dict
+    key: str
+    text: str = dataclasses.field(repr=False)
+    text_source: str = ""
+    notes: tuple[str, ...] = ()
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def _check_model_name(model: ModelSpec) -> None:
+    from kvjax.loading import registered_names, resolve
+
+    if model.name == TINY or resolve(model.name) is not None or Path(model.name).expanduser().exists():
+        return
+    raise ConfigError(
+        f"unknown model {model.name!r}; registered models: {', '.join(registered_names())}, "
+        f"or {TINY!r} (random init), or a path to a .gguf file or a HF checkpoint directory"
+    )
+
+
+def build_format(name: str, options: dict):
+    from kvjax.formats import FORMATS, get_format
+
+    if name not in FORMATS:
+        raise ConfigError(f"unknown kv_dtype {name!r}; valid choices: {', '.join(sorted(FORMATS))}")
+    try:
+        return get_format(name, **options)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def build_policy(spec: RunSpec) -> tuple[Any, tuple[str, ...]]:
+    """The policy with the run's budget (full ignores budget: it keeps every token)."""
+    if spec.policy not in POLICIES:
+        raise ConfigError(
+            f"unknown policy {spec.policy!r}; valid choices: {', '.join(sorted(POLICIES))}"
+        )
+    options, notes = dict(spec.policy_options), []
+    if spec.policy == BASELINE_POLICY:
+        if spec.budget is not None:
+            notes.append(f"policy 'full' keeps every token: budget={spec.budget} is ignored")
+        options.pop("budget", None)
+    elif spec.budget is not None:
+        options["budget"] = spec.budget
+    try:
+        return get_policy(spec.policy, **options), tuple(notes)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def plan(spec: RunSpec) -> Plan:
+    """Check the spec before any model work; raise ConfigError naming the bad value."""
+    _check_model_name(spec.model)
+    if spec.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"wandb.mode={spec.wandb.mode!r}; valid choices: {', '.join(WANDB_MODES)}")
+    fmt = build_format(spec.kv_dtype, dict(spec.kv_options))
+    policy, notes = build_policy(spec)
+    task = spec.task
+    need = task.seq_len()
+    if spec.max_len is not None and spec.max_len < need:
+        raise ConfigError(
+            f"max_len={spec.max_len} is shorter than task {task.name!r} needs ({need} tokens); "
+            f"use max_len >= {need} or max_len=null"
+        )
+    max_len = spec.max_len or need
+    if policy.name != BASELINE_POLICY and policy.budget is not None and policy.budget > need:
+        raise ConfigError(
+            f"budget={policy.budget} is above the length of task {task.name!r} ({need} tokens): "
+            f"policy {policy.name!r} would never evict anything; use budget < {need} "
+            "(or policy=full for the uncompressed cache)"
+        )
+    try:
+        policy.validate(max_len)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if is_prefill_only(policy) and not task.has_prompt:
+        with_prompt = sorted(n for n, c in _task_classes().items() if c.has_prompt)
+        raise ConfigError(
+            f"policy {policy.name!r} selects its cache once after a prompt (prefill-only), and "
+            f"task {task.name!r} has no prompt; use a task with one: {', '.join(with_prompt)}"
+        )
+    if spec.speed.prompt < 0 or spec.speed.new_tokens < 0:
+        raise ConfigError(f"speed.prompt and speed.new_tokens must be >= 0, got {spec.speed}")
+    if spec.speed.prompt and spec.speed.new_tokens >= max_len:
+        raise ConfigError(
+            f"speed.new_tokens={spec.speed.new_tokens} does not fit the cache length {max_len}"
+        )
+    try:
+        text, source = load_text(getattr(task, "text_file", None))
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    point = point_config(spec, policy, max_len)
+    return Plan(spec, policy, fmt, max_len, point, config_hash(point), text, source, notes)
+
+
+def _task_classes():
+    from kvjax.tasks import TASKS
+
+    return TASKS
+
+
+def point_config(spec: RunSpec, policy, max_len: int) -> dict:
+    """What identifies a point (its key is this dict's hash): the model, the policy with every
+    option (defaults included, so `budget=256` and a policy default of 256 are one point), the
+    format, the task, the seed, the cache length, the speed probe and the sweep name. Paths,
+    W&B settings, `force` and `progress` are left out."""
+    return to_jsonable({
+        "model": dataclasses.asdict(spec.model),
+        "policy": {"name": policy.name, **dataclasses.asdict(policy)},
+        "kv_dtype": spec.kv_dtype,
+        "kv_options": dict(spec.kv_options),
+        "task": {"name": spec.task.name, **dataclasses.asdict(spec.task)},
+        "seed": spec.seed,
+        "max_len": max_len,
+        "speed": dataclasses.asdict(spec.speed),
+        "sweep": spec.sweep,
+    })
+
+
+# ----------------------------------------------------------------------------- model loading
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    cfg: Any
+    params: Any
+    tokenizer: Any
+    seconds: float
+
+
+def tiny_params(cfg, seed: int):
+    """Random params in `kvjax.model.init_params`'s layout, filled by numpy.
+
+    The layout comes from tracing init_params (no compile); eager jax.random would compile
+    one kernel per shape, ~9 s on a 2-core CPU. Norm weights are 1 + 0.1 N(0, 1), the
+    embedding N(0, 1), every other matrix 0.02 N(0, 1)."""
+    from kvjax.model import init_params
+
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    rng = np.random.default_rng(seed)
+
+    def fill(path, s):
+        name = jax.tree_util.keystr(path)
+        x = rng.standard_normal(s.shape).astype(np.float32)
+        if "norm" in name:
+            return jnp.asarray(1.0 + 0.1 * x)
+        return jnp.asarray(x if "embed" in name else 0.02 * x)
+
+    return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+@functools.lru_cache(maxsize=1)
+def load(model: ModelSpec) -> LoadedModel:
+    """The model on the device (cached in-process, so a sequential sweep loads it once)."""
+    from kvjax.config import tiny_config
+    from kvjax.model import to_device
+
+    t0 = time.perf_counter()
+    if model.name == TINY:
+        try:
+            cfg = tiny_config(**dict(model.overrides))
+        except TypeError as e:
+            raise ConfigError(f"model.overrides: {e}") from None
+        params = tiny_params(cfg, model.init_seed)
+        tokenizer = CharTokenizer(cfg.vocab_size)
+    else:
+        from kvjax.loading import load_model
+
+        cfg, params, tokenizer = load_model(model.name)
+        params = to_device(params)
+    jax.block_until_ready(params)
+    return LoadedModel(cfg, params, tokenizer, time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def nominal_bytes_per_value(fmt) -> float | None:
+    """Bytes per stored value without metadata (the closed form's `bytes`)."""
+    if fmt.name in NOMINAL_BITS:
+        return NOMINAL_BITS[fmt.name] / 8
+    bits = getattr(fmt, "bits", None)
+    return bits / 8 if bits else None
+
+
+def measure_speed(ctx: TaskContext, prompt: list[int], new_tokens: int):
+    """Prefill seconds and decode tokens/s, each after a first (compiling) call.
+
+    Returns (timings, the batch-1 cache after prefill + decode)."""
+    chunk = effective_chunk(len(prompt), ctx.policy, ctx.max_len, len(prompt))
+
+    def run_prefill():
+        cache = KVCache.init(ctx.cfg, 1, ctx.policy, ctx.fmt, ctx.max_len)
+        t = time.perf_counter()
+        logits, cache = prefill(ctx.params, [prompt], cache, ctx.cfg, chunk)
+        cache = after_prefill(cache)
+        jax.block_until_ready((logits, cache))
+        return time.perf_counter() - t, logits, cache
+
+    first, _, _ = run_prefill()
+    prefill_s, logits, cache = run_prefill()
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    t = time.perf_counter()
+    logits, cache = decode_step(ctx.params, tok, cache, ctx.cfg)
+    jax.block_until_ready(logits)
+    decode_first = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(new_tokens):
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits, cache = decode_step(ctx.params, tok, cache, ctx.cfg)
+    jax.block_until_ready(logits)
+    decode_s = time.perf_counter() - t
+    return {
+        "prefill_s": prefill_s, "prefill_tokens": len(prompt), "prefill_chunk": chunk,
+        "prefill_compile_s": max(0.0, first - prefill_s),
+        "decode_tok_s": new_tokens / decode_s if decode_s > 0 else None,
+        "decode_tokens": new_tokens,
+        "decode_compile_s": max(0.0, decode_first - decode_s / max(new_tokens, 1)),
+    }, cache
+
+
+def _int_if_whole(x):
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def cache_bytes(cfg, cache, fmt, max_len: int) -> dict:
+    """Measured bytes of one sequence's cache beside the closed form and the full f32 cache.
+
+    `cache` is a real cache; with batch B > 1 every buffer with a batch
+    axis counts 1/B (all of k, v and their scales have one)."""
+    B = cache.length.shape[0]
+    kv = cache.kv_nbytes() // B
+    shared = int(np.asarray(cache.nonfinite).nbytes)
+    total = (cache.nbytes() - shared) // B + shared
+    C = cache.capacity
+    bpv = nominal_bytes_per_value(fmt)
+    full_f32 = closed_form_bytes(cfg, max_len, 4.0)
+    return {
+        "kv_bytes": int(kv), "total_bytes": int(total), "capacity": C,
+        "bytes_per_value": bpv,
+        "closed_form_bytes": None if bpv is None else _int_if_whole(closed_form_bytes(cfg, C, bpv)),
+        "full_f32_bytes": _int_if_whole(full_f32), "compression": full_f32 / kv,
+    }
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+def baseline_dir(spec: RunSpec) -> Path:
+    if spec.baselines:
+        return Path(spec.baselines).expanduser().resolve()
+    return Path(spec.results).expanduser().resolve().parent / "baselines"
+
+
+def baseline_key(plan_: Plan, text_sha: str) -> str:
+    ident = {"model": plan_.point["model"], "task": plan_.point["task"], "text_sha256": text_sha,
+             "seed": plan_.spec.seed, "baseline": f"{BASELINE_POLICY}/{BASELINE_FORMAT}"}
+    return config_hash(ident)
+
+
+def is_baseline_point(plan_: Plan) -> bool:
+    return (plan_.policy.name == BASELINE_POLICY and plan_.spec.kv_dtype == BASELINE_FORMAT
+            and not plan_.spec.kv_options)
+
+
+def get_baseline(plan_: Plan, ctx: TaskContext, text_sha: str, result: TaskResult | None):
+    """(baseline metrics, source, seconds spent computing it).
+
+    source: "this run" (the run is the full f32 baseline; `result` is its result), "cache"
+    (read from the baseline directory) or "computed" (run now and cached)."""
+    path = baseline_dir(plan_.spec) / f"{baseline_key(plan_, text_sha)}.json"
+    if result is None and path.is_file():
+        try:
+            return json.loads(path.read_text())["metrics"], "cache", 0.0
+        except (json.JSONDecodeError, KeyError):
+            pass  # a damaged entry is recomputed and rewritten
+    source = "this run" if result is not None else "computed"
+    t = time.perf_counter()
+    if result is None:
+        full = dataclasses.replace(ctx, policy=get_policy(BASELINE_POLICY),
+                                   fmt=build_format(BASELINE_FORMAT, {}), is_baseline=True)
+        result = plan_.spec.task.run(full)
+    seconds = time.perf_counter() - t
+    metrics = to_jsonable(result.metrics)
+    atomic_write_text(path, canonical_json({"metrics": metrics, "point": plan_.point["task"],
+                                            "model": plan_.point["model"],
+                                            "text_sha256": text_sha}))
+    return metrics, source, seconds
+
+
+# ----------------------------------------------------------------------------- provenance
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    dists = ["kvjax", "jax", "jaxlib", "flax", "numpy", "hydra-core", "omegaconf", "wandb"]
+    return {
+        "python": platform.python_version(), "platform": platform.platform(),
+        "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        "jax_backend": jax.default_backend(),
+        "devices": [d.device_kind for d in jax.devices()],
+        "versions": {d: _version(d) for d in dists},
+    }
+
+
+def git_info(repo: Path | None = None) -> dict:
+    """{"commit": sha or None, "dirty": bool or None} of the kvjax checkout."""
+    repo = repo or Path(__file__).resolve().parent.parent
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What `execute` did: the record (None when skipped), whether it was stored, the task's
+    full result (None when skipped)."""
+
+    record: dict | None
+    stored: bool
+    skipped: bool = False
+    existing: dict | None = None
+    result: TaskResult | None = None
+
+
+def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print) -> Outcome:
+    """Run a planned point (or skip it if the store already holds its key)."""
+    spec = plan_.spec
+    store = ResultsStore(spec.results)
+    if not spec.force:
+        existing = store.find(plan_.key)
+        if existing is not None:
+            echo(f"skip: point {plan_.key} is already in {store.path} "
+                 f"(line {existing['_line']}; force=true reruns it)")
+            return Outcome(None, False, skipped=True, existing=existing)
+    for note in plan_.notes:
+        echo(f"note: {note}")
+    t_start = time.perf_counter()
+    model = load(spec.model)
+    cfg = model.cfg
+    if plan_.max_len > cfg.max_seq_len and spec.model.name != TINY:
+        raise ConfigError(
+            f"task {spec.task.name!r} needs {plan_.max_len} tokens, above the model's context "
+            f"length {cfg.max_seq_len}; shorten the task"
+        )
+    text, source = plan_.text, plan_.text_source
+    text_sha = sha256_text(text)
+    ctx = TaskContext(model.params, cfg, model.tokenizer, plan_.policy, plan_.fmt,
+                      plan_.max_len, text, spec.seed, is_baseline_point(plan_), spec.progress)
+    t = time.perf_counter()
+    result = spec.task.run(ctx)
+    task_s = time.perf_counter() - t
+    base, base_source, base_s = get_baseline(plan_, ctx, text_sha,
+                                             result if ctx.is_baseline else None)
+
+    timings = {"load_s": model.seconds, "task_s": task_s, "baseline_s": base_s}
+    n_prompt = min(spec.speed.prompt, plan_.max_len - spec.speed.new_tokens)
+    if spec.speed.prompt and n_prompt > 0:
+        prompt = encode_prefix(model.tokenizer, text, n_prompt)
+        speed, probe_cache = measure_speed(ctx, prompt, spec.speed.new_tokens)
+        timings |= speed
+    else:
+        probe_cache = result.cache
+        timings |= {"prefill_s": None, "decode_tok_s": None}
+    timings["total_s"] = time.perf_counter() - t_start
+
+    task = spec.task
+    value = result.metrics[task.metric]
+    b = base.get(task.metric)
+    metrics = {"task": task.name, "metric": task.metric, "value": value, "baseline": b,
+               "delta": None if b is None else value - b,
+               "higher_is_better": task.higher_is_better, "baseline_source": base_source,
+               **result.metrics}
+    run_dir = Path(run_dir)
+    record = to_jsonable({
+        "schema": SCHEMA, "key": plan_.key, "sweep": spec.sweep,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "run_dir": str(run_dir.resolve()), "point": plan_.point, "config": spec.config,
+        "model": {"name": spec.model.name, **dataclasses.asdict(cfg)},
+        "text": {"source": source, "sha256": text_sha, "n_chars": len(text)},
+        "metrics": metrics, "baseline_metrics": base,
+        "cache": cache_bytes(cfg, probe_cache, plan_.fmt, plan_.max_len),
+        "timings": timings, "env": environment(), "git": git_info(),
+    })
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, arr in result.arrays.items():
+        np.save(run_dir / f"{name}.npy", np.asarray(arr, np.float32))
+    if result.rows:
+        atomic_write_text(run_dir / "samples.json", json.dumps(to_jsonable(result.rows), indent=1))
+    atomic_write_text(run_dir / "metrics.json", json.dumps(record, indent=1, sort_keys=True))
+    stored = store.append(record, replace=spec.force)
+    log_wandb(record, result, mode=spec.wandb.mode, project=spec.wandb.project,
+              entity=spec.wandb.entity, run_dir=run_dir)
+    return Outcome(record, stored, result=result)
+
+
+def run(spec: RunSpec, run_dir: str | os.PathLike, echo=print) -> Outcome:
+    """plan + execute + print the table (the whole of `python run.py`, without Hydra)."""
+    p = plan(spec)
+    out = execute(p, run_dir, echo)
+    if out.record is not None:
+        echo(format_table(out.record))
+        echo(f"results store: {ResultsStore(spec.results).path}"
+             + ("" if out.stored else " (a record with this key was already there)"))
+    return out
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def _fmt_bytes(n) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} B" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _num(x, spec=".4f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _baseline_note(m: dict, t: dict) -> str:
+    src = m.get("baseline_source")
+    if src == "computed":
+        return f"incl. the full-cache baseline, {t['baseline_s']:.1f} s (now cached)"
+    return {"this run": "this run is the full-cache baseline",
+            "cache": "full-cache baseline read from its cache"}.get(src, "")
+
+
+def format_table(record: dict) -> str:
+    """The short table `python run.py` prints."""
+    pt, m, c, t = record["point"], record["metrics"], record["cache"], record["timings"]
+    pol = pt["policy"]
+    opts = ", ".join(f"{k}={v}" for k, v in pol.items() if k != "name" and v is not None)
+    task = ", ".join(f"{k}={v}" for k, v in pt["task"].items() if k != "name" and v is not None)
+    rows = [
+        (m["metric"], _num(m["value"]), f"full cache {_num(m['baseline'])}, "
+         f"delta {_num(m['delta'], '+.4f')}"),
+        ("cache bytes (measured)", _fmt_bytes(c["kv_bytes"]),
+         f"k+v incl. scales; {_fmt_bytes(c['total_bytes'])} with positions and policy stats"),
+        ("cache bytes (closed form)", _fmt_bytes(c["closed_form_bytes"]),
+         f"2*L*Hkv*D*C*bytes, C={c['capacity']}, {c['bytes_per_value']} B/value"),
+        ("compression", f"{c['compression']:.2f}x",
+         f"vs a full f32 cache of {pt['max_len']} tokens ({_fmt_bytes(c['full_f32_bytes'])})"),
+    ]
+    if t.get("prefill_s") is None:
+        rows.append(("prefill / decode", "n/a", "speed probe off (speed.prompt=0)"))
+    else:
+        rows += [
+            ("prefill", f"{t['prefill_s']:.3f} s",
+             f"{t['prefill_tokens']} tokens; compile {t['prefill_compile_s']:.1f} s"),
+            ("decode", f"{_num(t['decode_tok_s'], '.1f')} tok/s",
+             f"{t['decode_tokens']} tokens; compile {t['decode_compile_s']:.1f} s"),
+        ]
+    rows += [
+        ("run time", f"{t['total_s']:.1f} s", _baseline_note(m, t)),
+    ]
+    policy = f"{pol['name']}({opts})" if opts else pol["name"]
+    head = (f"kvjax | model={pt['model']['name']} | policy={policy} | "
+            f"kv_dtype={pt['kv_dtype']} | task={pt['task']['name']}({task})")
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    lines = [head, "-" * min(len(head), 100)]
+    lines += [f"{a:<{w0}}  {b:>{w1}}  {c_}" for a, b, c_ in rows]
+    lines.append(f"record: key {record['key']}, run dir {record['run_dir']}")
+    return "\n".join(lines)

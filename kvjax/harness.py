@@ -1,0 +1,166 @@
+"""The Hydra side of the harness: structured-config schemas and DictConfig -> RunSpec.
+
+`run.py` is a thin `@hydra.main` wrapper around `main`. The schemas registered here validate
+the input (unknown keys and wrong types are Hydra errors naming them); `spec_from_config`
+turns the resolved config into frozen kvjax dataclasses, so JAX code never sees a DictConfig.
+Task schemas are generated from the task dataclasses, so a new task needs no schema code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, run
+from kvjax.tasks import TASKS, get_task
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclasses.dataclass
+class ModelConf:
+    name: str = MISSING
+    init_seed: int = 0
+    overrides: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class SpeedConf:
+    prompt: int = 256
+    new_tokens: int = 16
+
+
+@dataclasses.dataclass
+class WandbConf:
+    mode: str = "offline"
+    project: str = "kvjax"
+    entity: Optional[str] = None
+
+
+@dataclasses.dataclass
+class RunConf:
+    """The top-level schema (configs/config.yaml fills it)."""
+
+    model: Any = MISSING
+    policy: Any = MISSING
+    task: Any = MISSING
+    kv_dtype: str = "f32"
+    kv_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    budget: Optional[int] = None
+    seed: int = 0
+    max_len: Optional[int] = None
+    sweep: Optional[str] = None
+    results: str = "results/results.jsonl"
+    baselines: Optional[str] = None
+    force: bool = False
+    progress: Optional[bool] = None
+    xla_cache: Optional[str] = None
+    speed: SpeedConf = dataclasses.field(default_factory=SpeedConf)
+    wandb: WandbConf = dataclasses.field(default_factory=WandbConf)
+
+
+def _omegaconf_type(t):
+    """tuple[X, ...] -> List[X]; X | None -> Optional[X] (what OmegaConf understands)."""
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is tuple:
+        return List[args[0]]
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return Optional[_omegaconf_type(rest[0])]
+    return t
+
+
+def task_schema(cls) -> type:
+    """A mutable structured-config dataclass mirroring a task's fields (plus `name`)."""
+    hints = typing.get_type_hints(cls)
+    fields = [("name", str, dataclasses.field(default=cls.name))]
+    for f in dataclasses.fields(cls):
+        default = list(f.default) if isinstance(f.default, tuple) else f.default
+        fields.append((f.name, _omegaconf_type(hints[f.name]),
+                       dataclasses.field(default_factory=lambda d=default: d)
+                       if isinstance(default, list) else dataclasses.field(default=default)))
+    return dataclasses.make_dataclass(f"{cls.__name__}Conf", fields)
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConf)
+    cs.store(group="model", name="model_schema", node=ModelConf)
+    for name, cls in TASKS.items():
+        cs.store(group="task", name=f"{name}_schema", node=task_schema(cls))
+
+
+register_configs()
+
+
+def _abs(path: str | None) -> str | None:
+    """Relative paths are relative to the directory the command was started in."""
+    if path is None:
+        return None
+    from hydra.utils import to_absolute_path
+
+    return to_absolute_path(os.path.expanduser(path))
+
+
+def spec_from_config(cfg: DictConfig) -> RunSpec:
+    """The frozen RunSpec of a composed config (task options are checked by the task)."""
+    c = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    task_opts = dict(c["task"])
+    policy_opts = dict(c["policy"] or {})
+    if "name" not in policy_opts:
+        raise ConfigError(f"the policy config needs a 'name' key, got {policy_opts}")
+    try:
+        task = get_task(task_opts.pop("name"), **task_opts)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    m = c["model"]
+    return RunSpec(
+        task=task,
+        model=ModelSpec(m["name"], m["init_seed"], tuple(sorted(m["overrides"].items()))),
+        policy=policy_opts.pop("name"),
+        policy_options=tuple(sorted(policy_opts.items())),
+        kv_dtype=c["kv_dtype"],
+        kv_options=tuple(sorted(c["kv_options"].items())),
+        budget=c["budget"], seed=c["seed"], max_len=c["max_len"], sweep=c["sweep"],
+        speed=SpeedSpec(**c["speed"]), results=_abs(c["results"]),
+        baselines=_abs(c["baselines"]), wandb=WandbSpec(**c["wandb"]), force=c["force"],
+        progress=c["progress"], config=c,
+    )
+
+
+def run_dir() -> Path:
+    """Hydra's output directory for this job (the cwd outside a Hydra app)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path.cwd()
+
+
+def set_xla_cache(path: str | None) -> None:
+    """Persist compiled XLA programs across runs (a warm sweep point skips most compiling)."""
+    if path:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+
+
+def main(cfg: DictConfig):
+    """One run from a composed config; a ConfigError exits with its message (status 2)."""
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    try:
+        spec = spec_from_config(cfg)
+        set_xla_cache(cfg.xla_cache)
+        return run(spec, run_dir())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
