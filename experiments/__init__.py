@@ -1,0 +1,1 @@
+"""Paper reproductions, benchmarks and the report builder (`python -m experiments.report`)."""

@@ -1,0 +1,323 @@
+"""Turn the results store into a comparison report: `python -m experiments.report`.
+
+Writes into one directory (default reports/<sweep or all>/):
+
+* report.md: the Pareto plots, needle heatmaps and the full table, PNGs beside it;
+* report.html: the same, self-contained (PNGs embedded);
+* pareto_<task>.png: quality against measured cache bytes, one line per policy (points sorted
+  by bytes), one marker per kv format, the full-cache baseline dashed;
+* needle_<policy>_<format>_b<budget>_<key>.png: each needle run's depth x length accuracy grid.
+
+Records are narrowed with --sweep NAME and --where path=value (paths into the record's point,
+e.g. policy.name=h2o, task.name=needle, kv_dtype=int4); a point run more than once counts once
+(its last record). Corrupt store lines are reported with their line numbers and skipped.
+With --wandb the same panels are published as a W&B Report (needs wandb-workspaces and a
+login); `build_wandb_report` only constructs it, so it can be checked offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+
+from kvjax.results import ResultsStore, summary_row  # noqa: E402
+
+MARKERS = {"f32": "o", "bf16": "s", "fp8": "^", "int8": "D", "int4": "v", "int2": "P"}
+EXTRA_MARKERS = "X*hp<>8"
+POINT_GID = "point"
+
+
+# ----------------------------------------------------------------------------- selecting
+
+
+def lookup(point: dict, path: str):
+    """point['a']['b'] for 'a.b' (None when missing)."""
+    cur = point
+    for part in path.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def select(records: list[dict], sweep: str | None = None, where: list[str] = ()) -> list[dict]:
+    """Filter by sweep and `path=value` conditions; keep the last record of each key."""
+    conds = []
+    for w in where:
+        if "=" not in w:
+            raise ValueError(f"--where {w!r}: expected path=value, e.g. policy.name=h2o")
+        k, v = w.split("=", 1)
+        conds.append((k.strip(), v.strip()))
+    latest: dict[str, dict] = {}
+    for r in records:
+        if sweep is not None and r.get("sweep") != sweep:
+            continue
+        if all(str(lookup(r["point"], k)) == v for k, v in conds):
+            latest[r["key"]] = r
+    return list(latest.values())
+
+
+def marker_for(fmt: str, seen: dict) -> str:
+    if fmt in MARKERS:
+        return MARKERS[fmt]
+    if fmt not in seen:
+        seen[fmt] = EXTRA_MARKERS[len(seen) % len(EXTRA_MARKERS)]
+    return seen[fmt]
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def frontier(points: list[tuple[float, float]], higher_is_better: bool) -> list[tuple]:
+    """The Pareto-optimal (bytes, quality) points, by increasing bytes: no other point has
+    fewer or equal bytes and better or equal quality."""
+    best, out = None, []
+    for x, y in sorted(points, key=lambda p: (p[0], -p[1] if higher_is_better else p[1])):
+        if best is None or (y > best if higher_is_better else y < best):
+            out.append((x, y))
+            best = y
+    return out
+
+
+def pareto_figure(records: list[dict], task: str):
+    """Quality vs measured cache bytes for one task's records.
+
+    Every run is a marker (shape = kv format, colour = policy); each policy's line joins its
+    Pareto frontier. Returns (figure, points), one dict per plotted point; each marker is a
+    Line2D with gid "point" and label "policy|kv_dtype|budget", so tests can read the artists.
+    """
+    recs = [r for r in records if r["point"]["task"]["name"] == task]
+    metric = recs[0]["metrics"]["metric"]
+    higher = bool(recs[0]["metrics"].get("higher_is_better"))
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    by_policy = defaultdict(list)
+    for r in recs:
+        by_policy[r["point"]["policy"]["name"]].append(r)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    extra, points, handles = {}, [], []
+    for i, (policy, rs) in enumerate(sorted(by_policy.items())):
+        color = colors[i % len(colors)]
+        for r in rs:
+            x, y = r["cache"]["kv_bytes"], r["metrics"]["value"]
+            fmt, budget = r["point"]["kv_dtype"], r["point"]["policy"].get("budget")
+            ax.plot([x], [y], linestyle="none", marker=marker_for(fmt, extra), color=color,
+                    markersize=7, gid=POINT_GID, label=f"{policy}|{fmt}|{budget}")
+            points.append({"policy": policy, "kv_dtype": fmt, "budget": budget, "x": x, "y": y,
+                           "key": r["key"]})
+        front = frontier([(p["x"], p["y"]) for p in points if p["policy"] == policy], higher)
+        ax.plot([p[0] for p in front], [p[1] for p in front], "-", color=color, alpha=0.6)
+        handles.append(Line2D([], [], color=color, label=policy))
+    baselines = {r["metrics"].get("baseline") for r in recs} - {None}
+    if len(baselines) == 1:
+        ax.axhline(baselines.pop(), color="gray", linestyle="--", linewidth=1)
+        handles.append(Line2D([], [], color="gray", linestyle="--", label="full cache (f32)"))
+    for f in sorted({p["kv_dtype"] for p in points}):
+        handles.append(Line2D([], [], linestyle="none", marker=marker_for(f, extra),
+                              color="black", label=f"format {f}"))
+    ax.set_xscale("log")
+    ax.set_xlabel("KV cache bytes per sequence (measured, k+v with scales)")
+    ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
+    ax.set_title(f"{task}: {metric} vs cache memory")
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
+    return fig, points
+
+
+def needle_figure(record: dict):
+    """The depth x length accuracy heatmap of one needle record."""
+    g = record["metrics"]["grid"]
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(g["lengths"]), 1.2 + 0.6 * len(g["depths"])))
+    im = ax.imshow(g["accuracy"], vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(g["lengths"])), [str(n) for n in g["lengths"]])
+    ax.set_yticks(range(len(g["depths"])), [f"{d:.2f}" for d in g["depths"]])
+    for i, row in enumerate(g["accuracy"]):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+    pt = record["point"]
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(f"{pt['policy']['name']} / {pt['kv_dtype']} / budget {pt['policy'].get('budget')}",
+                 fontsize=9)
+    fig.colorbar(im, ax=ax, label="accuracy")
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+def markdown_table(records: list[dict]) -> str:
+    rows = [summary_row(r) | {"sweep": r.get("sweep"), "created": r.get("created")}
+            for r in sorted(records, key=_order)]
+    if not rows:
+        return "_no records_\n"
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _order(r):
+    pt = r["point"]
+    b = pt["policy"].get("budget")
+    return (pt["task"]["name"], pt["policy"]["name"], pt["kv_dtype"], -1 if b is None else b)
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _slug(s) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", str(s))
+
+
+def build_report(store_path, out_dir, sweep: str | None = None, where=(), echo=print) -> dict:
+    """Write report.md, report.html and the PNGs; returns what was written and plotted."""
+    store = ResultsStore(store_path)
+    records, problems = store.read()
+    for p in problems:
+        echo(f"warning: {store.path}: skipped {p}", file=sys.stderr)
+    records = select(records, sweep, list(where))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    title = f"kvjax report: {sweep or 'all runs'}"
+    md = [f"# {title}\n", f"Store: `{store.path}`, {len(records)} point(s)"
+          + (f", filter {' '.join(where)}" if where else "") + ".\n"]
+    if problems:
+        md.append("Skipped store lines: " + "; ".join(str(p) for p in problems) + ".\n")
+    images, pareto = [], {}
+    for task in sorted({r["point"]["task"]["name"] for r in records}):
+        fig, points = pareto_figure(records, task)
+        name = f"pareto_{_slug(task)}.png"
+        fig.savefig(out / name, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        pareto[task] = points
+        images.append(name)
+        md += [f"## {task}: quality vs cache bytes\n", f"![pareto {task}]({name})\n"]
+    needles = sorted((r for r in records if r["point"]["task"]["name"] == "needle"), key=_order)
+    if needles:
+        md.append("## Needle in a haystack: accuracy by depth and length\n")
+    for r in needles:
+        pt = r["point"]
+        name = (f"needle_{_slug(pt['policy']['name'])}_{_slug(pt['kv_dtype'])}_"
+                f"b{pt['policy'].get('budget')}_{r['key']}.png")
+        fig = needle_figure(r)
+        fig.savefig(out / name, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        images.append(name)
+        md.append(f"![needle {pt['policy']['name']} {pt['kv_dtype']}]({name})\n")
+    md += ["## All runs\n", markdown_table(records)]
+    text = "\n".join(md)
+    (out / "report.md").write_text(text, encoding="utf-8")
+    (out / "report.html").write_text(to_html(title, text, out), encoding="utf-8")
+    return {"dir": out, "records": records, "problems": problems, "images": images,
+            "pareto": pareto}
+
+
+def to_html(title: str, markdown: str, img_dir: Path) -> str:
+    """A self-contained HTML page of the report (images embedded, the table as HTML)."""
+    body = []
+    for block in markdown.split("\n\n"):
+        block = block.strip()
+        m = re.fullmatch(r"!\[(.*?)\]\((.*?)\)", block)
+        if m:
+            data = base64.b64encode((img_dir / m.group(2)).read_bytes()).decode()
+            body.append(f'<p><img alt="{html.escape(m.group(1))}" '
+                        f'src="data:image/png;base64,{data}"></p>')
+        elif block.startswith("#"):
+            level = len(block) - len(block.lstrip("#"))
+            body.append(f"<h{level}>{html.escape(block.lstrip('#').strip())}</h{level}>")
+        elif block.startswith("|"):
+            rows = [r.strip("|").split("|") for r in block.splitlines() if not r.startswith("|---")]
+            cells = ["<tr>" + "".join(f"<{'th' if i == 0 else 'td'}>{html.escape(c.strip())}"
+                                      f"</{'th' if i == 0 else 'td'}>" for c in row) + "</tr>"
+                     for i, row in enumerate(rows)]
+            body.append("<table>" + "".join(cells) + "</table>")
+        elif block:
+            body.append(f"<p>{html.escape(block)}</p>")
+    style = ("body{font-family:sans-serif;max-width:1200px;margin:auto}"
+             "table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;"
+             "padding:2px 6px;text-align:right}img{max-width:100%}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
+            f"</title><style>{style}</style></head><body>{''.join(body)}</body></html>\n")
+
+
+def build_wandb_report(records: list[dict], project: str, entity: str, sweep: str | None = None):
+    """A W&B Report (wandb-workspaces) with the same panels; constructed, not saved."""
+    import wandb_workspaces.reports.v2 as wr
+
+    runset = wr.Runset(entity=entity, project=project, name=sweep or "all runs",
+                       filters=f"Config('sweep') = '{sweep}'" if sweep else "",
+                       groupby=["point.policy.name"])
+    panels = []
+    for task in sorted({r["point"]["task"]["name"] for r in records}):
+        metric = next(r["metrics"]["metric"] for r in records
+                      if r["point"]["task"]["name"] == task)
+        panels.append(wr.ScatterPlot(title=f"{task}: {metric} vs cache bytes",
+                                     x="cache/kv_bytes", y=metric, log_x=True))
+    return wr.Report(
+        project=project, entity=entity, title=f"kvjax: {sweep or 'all runs'}",
+        description="Quality against KV-cache memory (kvjax experiments.report)",
+        blocks=[wr.H1(f"kvjax: {sweep or 'all runs'}"),
+                wr.P("Quality against measured KV-cache bytes: one point per run."),
+                wr.PanelGrid(runsets=[runset], panels=panels),
+                wr.H2("All runs"), wr.MarkdownBlock(text=markdown_table(records))],
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", default="results/results.jsonl", help="results store (JSONL)")
+    ap.add_argument("--out", default=None, help="output dir (default reports/<sweep or all>)")
+    ap.add_argument("--sweep", default=None, help="only records of this sweep name")
+    ap.add_argument("--where", action="append", default=[], metavar="PATH=VALUE",
+                    help="only records whose point has PATH=VALUE (repeatable)")
+    ap.add_argument("--wandb", action="store_true", help="also publish a W&B Report")
+    ap.add_argument("--project", default="kvjax")
+    ap.add_argument("--entity", default=None)
+    args = ap.parse_args(argv)
+    if not Path(args.store).is_file():
+        print(f"error: no results store at {args.store} (run `python run.py` first)",
+              file=sys.stderr)
+        return 2
+    out = args.out or f"reports/{_slug(args.sweep or 'all')}"
+    try:
+        res = build_report(args.store, out, args.sweep, args.where, echo=print)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {res['dir'] / 'report.md'} ({len(res['records'])} points, "
+          f"{len(res['images'])} images, {len(res['problems'])} skipped lines)")
+    if args.wandb:
+        import wandb
+
+        entity = args.entity or wandb.Api().default_entity
+        report = build_wandb_report(res["records"], args.project, entity, args.sweep)
+        report.save()
+        print(f"W&B report: {report.url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
