@@ -82,10 +82,6 @@ def pages_head_dim(pages) -> int:
     return (pages.q if isinstance(pages, QuantPages) else pages).shape[-1]
 
 
-def _codes(pages):
-    return pages.q if isinstance(pages, QuantPages) else pages
-
-
 # --------------------------------------------------------------------------- quantization
 # The per-token layouts of kvjax.formats (int8 symmetric, int4 asymmetric groupwise), for pages.
 
