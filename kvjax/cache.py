@@ -93,7 +93,7 @@ class KVCache:
                 length=self.length,
             )
 
-    def write(self, layer, slots, k_new, v_new, pos_new, stats) -> "KVCache":
+    def write(self, layer, slots, k_new, v_new, pos_new, stats) -> KVCache:
         """Store a chunk in one layer at the policy's slots (slot C = not stored).
 
         slots: [B, K, T]; k_new, v_new: [B, T, K, E]; pos_new: [B, T]; stats: the layer's stats.

@@ -97,3 +97,7 @@ def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None):
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]  # [D, V]
     logits = jnp.einsum("BTD,DV->BTV", x, head).astype(jnp.float32)
     return logits, cache.replace(length=cache.length + n_valid)
+
+
+forward_jit = jax.jit(forward, static_argnames=("cfg",))
+forward_jit.__doc__ = "`forward` compiled once per (cfg, shapes); the cache is not donated."

@@ -572,11 +572,6 @@ def test_manual_command_is_the_real_pip_download():
 # --------------------------------------------------------------------------- the real model
 
 
-@pytest.fixture(scope="session")
-def smollm():
-    return load_model("smollm2-135m")
-
-
 @pytest.mark.slow
 def test_real_model_config_and_shapes(smollm):
     cfg, params, tok = smollm

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from tokenizers import pre_tokenizers
 
-from kvjax.loading.hub import fetch_model
 from kvjax.loading.tokenizer import SMOLLM2_CHAT_TEMPLATE, Tokenizer, render_chatml
 
 DATA = Path(__file__).parent / "data"
@@ -22,8 +21,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 @pytest.fixture(scope="session")
-def smollm_tok() -> Tokenizer:
-    return Tokenizer.from_gguf(fetch_model("smollm2-135m"))
+def smollm_tok(smollm) -> Tokenizer:
+    return smollm[2]
 
 
 @pytest.mark.slow
