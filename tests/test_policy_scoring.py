@@ -1,0 +1,382 @@
+"""Importance policies against small NumPy implementations written from each paper's definition.
+
+Each reference keeps, per kv head, a list of cached positions and replays the decode rule token
+by token (or chunk by chunk: the chunk's queries score first, then the lowest candidates go).
+Ties go to the OLDEST position, the rule kvjax documents. The kvjax policy is driven through
+`update` on a one-layer KVCache with synthetic attention rows (small integers: exact arithmetic,
+many ties) and integer keys, and end to end through the tiny model with the attention rows
+recorded by a callback; the kept position sets must match at every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.cache import KVCache
+from kvjax.config import tiny_config
+from kvjax.formats import get_format
+from kvjax.model import forward, init_params
+from kvjax.policies import Policy, compress_cache, get_policy
+
+FMT = get_format("f32")
+FAST = {"xla_backend_optimization_level": 0}  # these tests compile many small programs
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _protected(j, t_last, n_sink, window):
+    return j < n_sink or j > t_last - window
+
+
+def reference(kind, A, keys, chunks, C, n_sink=0, window=0, **opts):
+    """Kept positions per kv head after each chunk, for one row.
+
+    A: [K, N, N] attention rows (query position, key position), summed over the kv group's
+    query heads; keys: [N, K, E]; chunks: a list of position lists (one per step)."""
+    K = A.shape[0]
+    kept = [[] for _ in range(K)]
+    state = [{} for _ in range(K)]
+    out = []
+    for chunk in chunks:
+        if not chunk:
+            out.append([sorted(h) for h in kept])
+            continue
+        t_last = chunk[-1]
+        for k in range(K):
+            for j in chunk:
+                if kind == "lru":
+                    state[k][j] = j  # a token counts as used when it arrives
+                elif kind == "h2o":
+                    state[k][j] = np.float32(0.0)
+            for i in chunk:
+                visible = kept[k] + [j for j in chunk if j <= i]
+                row = {j: np.float32(A[k, i, j]) for j in visible}
+                if kind == "h2o":  # accumulated attention
+                    for j, a in row.items():
+                        state[k][j] = np.float32(state[k][j] + a)
+                elif kind == "lru":  # last query that used the key
+                    for j in _lru_used(row, **opts):
+                        state[k][j] = max(state[k][j], i)
+            kept[k] = kept[k] + list(chunk)
+
+        def score(k, j):
+            if kind in ("h2o", "lru"):
+                return state[k][j]
+            if kind == "knorm":  # higher norm = lower score
+                return -float(np.sum(keys[j, k].astype(np.float64) ** 2))
+            if kind == "tova":  # the current (last) query's attention
+                if opts.get("per_head"):
+                    return np.float32(A[k, t_last, j])
+                total = np.float32(0.0)
+                for h in range(K):
+                    total = np.float32(total + np.float32(A[h, t_last, j]))
+                return np.float32(total / np.float32(K))
+            raise ValueError(kind)
+
+        for k in range(K):
+            while len(kept[k]) > C:
+                cands = [j for j in kept[k] if not _protected(j, t_last, n_sink, window)]
+                victim = min(cands, key=lambda j: (score(k, j), j))
+                kept[k].remove(victim)
+                state[k].pop(victim, None)
+        out.append([sorted(h) for h in kept])
+    return out
+
+
+def _lru_used(row, used_by="threshold", threshold=0.0, top_k=1):
+    """Keys a query uses: share of its row above the threshold, or among its top_k."""
+    if used_by == "threshold":
+        total = sum(float(a) for a in row.values())
+        return [j for j, a in row.items() if total > 0 and float(a) / total > threshold]
+    vals = sorted(row.values(), reverse=True)
+    kth = vals[top_k - 1] if len(vals) >= top_k else -np.inf
+    return [j for j, a in row.items() if a >= kth]
+
+
+def snapkv_reference(A, n, budget, window, kernel, pool):
+    """SnapKV's selection for one row of prompt length n: kept positions per kv head."""
+    K = A.shape[0]
+    start = max(0, n - window)
+    out = []
+    for k in range(K):
+        obs = [sum(float(A[k, q, j]) for q in range(start, n)) for j in range(start)]
+        r = kernel // 2
+        if pool == "max":
+            pooled = [max(obs[max(0, j - r):j + r + 1]) for j in range(start)]
+        else:
+            pooled = [sum(obs[max(0, j - r):j + r + 1]) / kernel for j in range(start)]
+        chosen = sorted(range(start), key=lambda j: (-pooled[j], j))[:max(0, budget - window)]
+        out.append(sorted(chosen + list(range(start, n))))
+    return out
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def layer_cache(policy, B, K, E, max_len):
+    cfg = tiny_config(n_heads=K, n_kv_heads=K, n_layers=1, head_dim=E, max_seq_len=max_len)
+    return KVCache.init(cfg, B, policy, FMT, max_len)
+
+
+@functools.partial(jax.jit, compiler_options=FAST)
+def policy_step(cache, k_new, pos_new, probs):
+    """One update + write of layer 0, then the length moves on."""
+    view = cache.layer_view(0)
+    slots, stats = cache.policy.update(view, k_new, k_new, pos_new, probs)
+    new = cache.write(0, slots, k_new, k_new, pos_new, stats)
+    return new.replace(length=cache.length + jnp.sum(pos_new >= 0, axis=-1).astype(jnp.int32))
+
+
+def chunk_probs(A, pos, pos_new):
+    """probs [B, K, T, C + T] of a chunk from attention rows A [B, K, N, N] over positions."""
+    B, K, C = pos.shape
+    T = pos_new.shape[1]
+    probs = np.zeros((B, K, T, C + T), np.float32)
+    for b in range(B):
+        for i in range(T):
+            q = pos_new[b, i]
+            if q < 0:
+                continue
+            for k in range(K):
+                ok = pos[b, k] >= 0
+                probs[b, k, i, :C][ok] = A[b, k, q, pos[b, k][ok]]
+                for j in range(T):
+                    if 0 <= pos_new[b, j] <= q:
+                        probs[b, k, i, C + j] = A[b, k, q, pos_new[b, j]]
+    return probs
+
+
+def kept_sets(cache):
+    """Sorted valid positions per (row, head) of layer 0."""
+    pos = np.asarray(cache.pos[0])
+    return [[sorted(int(p) for p in pos[b, k] if p >= 0) for k in range(pos.shape[1])]
+            for b in range(pos.shape[0])]
+
+
+def schedule(rng, B, steps, sizes):
+    """(T, n_valid [B]) per step; rows get different lengths, some steps are all padding."""
+    out = []
+    for _ in range(steps):
+        T = int(rng.choice(sizes))
+        out.append((T, rng.integers(0, T + 1, size=B) if T > 1 else rng.integers(0, 2, size=B)))
+    return out
+
+
+def drive(cache, A, keys, plan):
+    """Feed the plan through `policy_step`; returns (kvjax kept sets per step, chunks per row)."""
+    B = A.shape[0]
+    chunks = [[] for _ in range(B)]
+    seen = []
+    length = np.asarray(cache.length).astype(np.int64)
+    for T, n_valid in plan:
+        pos_new = np.full((B, T), -1, np.int32)
+        for b in range(B):
+            pos_new[b, :n_valid[b]] = length[b] + np.arange(n_valid[b])
+            chunks[b].append([int(p) for p in pos_new[b, :n_valid[b]]])
+        k_new = np.zeros((B, T, A.shape[1], keys.shape[-1]), np.float32)
+        for b in range(B):
+            k_new[b, :n_valid[b]] = keys[b, pos_new[b, :n_valid[b]]]
+        probs = chunk_probs(A, np.asarray(cache.pos[0]), pos_new)
+        cache = policy_step(cache, jnp.asarray(k_new), jnp.asarray(pos_new), jnp.asarray(probs))
+        length += n_valid
+        seen.append(kept_sets(cache))
+    return seen, chunks, cache
+
+
+def synthetic(rng, B, K, N, E):
+    """Integer attention rows (lower triangular incl. the diagonal) and integer keys."""
+    A = np.tril(rng.integers(0, 5, size=(B, K, N, N))).astype(np.float32)
+    keys = rng.integers(-2, 3, size=(B, N, K, E)).astype(np.float32)
+    return A, keys
+
+
+CASES = [
+    ("h2o", dict(n_sink=0, window=2)),
+    ("h2o", dict(n_sink=1, window=3)),
+    ("tova", dict()),
+    ("tova", dict(window=1, per_head=True)),
+    ("lru", dict(n_sink=1, window=2, used_by="threshold", threshold=0.123)),
+    ("lru", dict(n_sink=1, window=1, used_by="topk", top_k=3)),
+    ("knorm", dict()),
+    ("knorm", dict(n_sink=1, window=1)),
+]
+
+
+@pytest.mark.parametrize("sizes", [(1,), (1, 3)], ids=["token", "chunks"])
+@pytest.mark.parametrize("name,opts", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_update_matches_reference(name, opts, sizes):
+    """Synthetic rows, 2 rows x 2 heads, capacity 6, 45 steps: kept sets equal at every step."""
+    B, K, E, C = 2, 2, 4, 6
+    policy = get_policy(name, budget=C, **opts)
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        plan = schedule(rng, B, 45, sizes)
+        N = int(sum(T for T, _ in plan))
+        A, keys = synthetic(rng, B, K, N, E)
+        seen, chunks, _ = drive(layer_cache(policy, B, K, E, N), A, keys, plan)
+        for b in range(B):
+            ref = reference(name, A[b], keys[b], chunks[b], C, **opts)
+            for step, (got, want) in enumerate(zip((s[b] for s in seen), ref)):
+                assert got == want, f"{name} {opts} seed {seed} row {b} step {step}"
+
+
+def test_tova_layerwise_heads_agree():
+    """Paper default: all kv heads of a layer evict the same position."""
+    B, K, E, C = 2, 3, 4, 5
+    policy = get_policy("tova", budget=C)
+    rng = np.random.default_rng(7)
+    plan = schedule(rng, B, 30, (1, 3))
+    A, keys = synthetic(rng, B, K, int(sum(T for T, _ in plan)), E)
+    seen, _, _ = drive(layer_cache(policy, B, K, E, A.shape[-1]), A, keys, plan)
+    assert all(all(h == row[0] for h in row) for step in seen for row in step)
+
+
+@pytest.mark.parametrize("pool,kernel,window", [("max", 3, 3), ("avg", 5, 2)])
+def test_snapkv_compress_matches_reference(pool, kernel, window):
+    """Chunked prefill with padding (collect), compress, then decode slides the unpinned part."""
+    B, K, E, budget, N = 2, 2, 4, 8, 40
+    policy = get_policy("snapkv", budget=budget, window=window, kernel=kernel, pool=pool)
+    for seed in range(2):
+        rng = np.random.default_rng(seed)
+        plan = schedule(rng, B, 9, (1, 4))
+        A, keys = synthetic(rng, B, K, N, E)
+        _, chunks, cache = drive(layer_cache(policy, B, K, E, N), A, keys, plan)
+        cache = compress_cache(cache)
+        assert cache.capacity == budget
+        lengths = [sum(len(c) for c in chunks[b]) for b in range(B)]
+        after = kept_sets(cache)
+        for b in range(B):
+            want = snapkv_reference(A[b], lengths[b], budget, window, kernel, pool)
+            assert after[b] == want, f"seed {seed} row {b} (prompt {lengths[b]})"
+        pinned = [[[p for p in h if p < lengths[b] - window] for h in after[b]] for b in range(B)]
+        decode = [(1, np.ones(B, np.int64)) for _ in range(6)]
+        seen, _, _ = drive(cache, A, keys, decode)
+        for step, got in enumerate(seen, start=1):
+            for b in range(B):
+                n = lengths[b] + step
+                for k in range(K):
+                    free = budget - len(pinned[b][k])
+                    want = sorted(set(pinned[b][k]) | set(range(max(0, n - free), n)))
+                    assert got[b][k] == want, f"seed {seed} row {b} head {k} decode {step}"
+
+
+# ----------------------------------------------------------------------------- end to end
+
+RECORDS: list = []
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded(Policy):
+    """Runs `inner` and records what each update saw (test only, not registered)."""
+
+    name = "recorded"
+    inner: Any = None
+
+    def capacity(self, max_len):
+        return self.inner.capacity(max_len)
+
+    def validate(self, max_len):
+        self.inner.validate(max_len)
+
+    def init_stats(self, B, K, C):
+        return self.inner.init_stats(B, K, C)
+
+    def rope_positions(self, view, pos_new):
+        return self.inner.rope_positions(view, pos_new)
+
+    def update(self, view, k_new, v_new, pos_new, probs):
+        jax.debug.callback(lambda *a: RECORDS.append([np.asarray(x) for x in a]),
+                           view.pos, probs, pos_new, k_new, ordered=True)
+        return self.inner.update(view, k_new, v_new, pos_new, probs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), compiler_options=FAST)
+def model_step(params, tokens, cache, cfg, n_valid):
+    return forward(params, tokens, cache, cfg, n_valid)
+
+
+def run_recorded(policy, n_tokens, lengths=None, seed=0):
+    """Token by token through the tiny model (B = 2); rows stop at `lengths`."""
+    cfg = tiny_config(max_seq_len=64)
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(seed))
+    RECORDS.clear()
+    cache = KVCache.init(cfg, 2, Recorded(inner=policy), FMT, 64)
+    lengths = lengths or [n_tokens, n_tokens]
+    toks = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(2, n_tokens))
+    for t in range(n_tokens):
+        n_valid = jnp.asarray([int(t < n) for n in lengths], jnp.int32)
+        _, cache = model_step(params, jnp.asarray(toks[:, t:t + 1], jnp.int32), cache, cfg,
+                              n_valid)
+    jax.effects_barrier()
+    assert len(RECORDS) == n_tokens * cfg.n_layers
+    return cfg, cache, RECORDS[:]
+
+
+def replay(records, L, layer, b):
+    """Attention rows A [K, N, N] (NaN where never observed) and keys [N, K, E] of one row."""
+    steps = records[layer::L]
+    pos0, probs0, _, k0 = steps[0]
+    K, C = pos0.shape[1], pos0.shape[2]
+    N = len(steps)
+    A = np.full((K, N, N), np.nan, np.float32)
+    keys = np.zeros((N, K, k0.shape[-1]), np.float32)
+    chunks, kept = [], []
+    for pos, probs, pos_new, k_new in steps:
+        q = int(pos_new[b, 0])
+        chunks.append([q] if q >= 0 else [])
+        kept.append([sorted(int(p) for p in pos[b, k] if p >= 0) for k in range(K)])
+        if q < 0:
+            continue
+        keys[q] = k_new[b, 0]
+        for k in range(K):
+            ok = pos[b, k] >= 0
+            A[k, q, pos[b, k][ok]] = probs[b, k, 0, :C][ok]
+            A[k, q, q] = probs[b, k, 0, C]
+    return A, keys, chunks, kept[1:]
+
+
+@pytest.mark.parametrize("name,opts", [
+    ("h2o", dict(window=2)),
+    ("tova", dict()),
+    ("lru", dict(n_sink=1, window=2, used_by="topk", top_k=3)),
+    ("knorm", dict(window=1)),
+])
+def test_end_to_end_through_the_model(name, opts):
+    """The model's own attention rows (recorded) replayed through the reference, per layer."""
+    C = 7
+    cfg, cache, records = run_recorded(get_policy(name, budget=C, **opts), 26, lengths=[26, 19])
+    L = cfg.n_layers
+    final = np.asarray(cache.pos)
+    for layer in range(L):
+        for b in range(2):
+            A, keys, chunks, kept = replay(records, L, layer, b)
+            kept.append([sorted(int(p) for p in final[layer, b, k] if p >= 0)
+                         for k in range(final.shape[2])])
+            ref = reference(name, A, keys, chunks, C, **opts)
+            for step, (got, want) in enumerate(zip(kept, ref)):
+                assert got == want, f"layer {layer} row {b} step {step}"
+
+
+def test_snapkv_end_to_end_through_the_model():
+    """Prefill (collect) through the model, compress, compare with the recorded rows."""
+    budget, window = 8, 3
+    policy = get_policy("snapkv", budget=budget, window=window, kernel=3, pool="max")
+    lengths = [22, 15]
+    cfg, cache, records = run_recorded(policy, 22, lengths=lengths)
+    cache = compress_cache(cache.replace(policy=policy))
+    assert cache.capacity == budget
+    got = np.asarray(cache.pos)
+    for layer in range(cfg.n_layers):
+        for b in range(2):
+            A, _, _, _ = replay(records, cfg.n_layers, layer, b)
+            want = snapkv_reference(np.nan_to_num(A), lengths[b], budget, window, 3, "max")
+            have = [sorted(int(p) for p in got[layer, b, k] if p >= 0) for k in range(2)]
+            assert have == want, f"layer {layer} row {b}"
