@@ -28,10 +28,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
 
-from kvjax.results import ResultsStore, summary_row  # noqa: E402
+from kvjax.results import ResultsStore, summary_row
 
 MARKERS = {"f32": "o", "bf16": "s", "fp8": "^", "int8": "D", "int4": "v", "int2": "P"}
 EXTRA_MARKERS = "X*hp<>8"

@@ -32,7 +32,13 @@ from kvjax.cache import KVCache, closed_form_bytes
 from kvjax.generate import decode_step, prefill
 from kvjax.policies import POLICIES, get_policy
 from kvjax.results import (
-    SCHEMA, WANDB_MODES, ResultsStore, atomic_write_text, canonical_json, config_hash, log_wandb,
+    SCHEMA,
+    WANDB_MODES,
+    ResultsStore,
+    atomic_write_text,
+    canonical_json,
+    config_hash,
+    log_wandb,
     to_jsonable,
 )
 from kvjax.tasks import Task, TaskContext, TaskResult
@@ -497,7 +503,7 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print) -> Outcome:
     run_dir = Path(run_dir)
     record = to_jsonable({
         "schema": SCHEMA, "key": plan_.key, "sweep": spec.sweep,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "run_dir": str(run_dir.resolve()), "point": plan_.point, "config": spec.config,
         "model": {"name": spec.model.name, **dataclasses.asdict(cfg)},
         "text": {"source": source, "sha256": text_sha, "n_chars": len(text)},
@@ -560,8 +566,8 @@ def format_table(record: dict) -> str:
     opts = ", ".join(f"{k}={v}" for k, v in pol.items() if k != "name" and v is not None)
     task = ", ".join(f"{k}={v}" for k, v in pt["task"].items() if k != "name" and v is not None)
     rows = [
-        (m["metric"], _num(m["value"]), f"full cache {_num(m['baseline'])}, "
-         f"delta {_num(m['delta'], '+.4f')}"),
+        (m["metric"], _num(m["value"]),
+         f"full cache {_num(m['baseline'])}, delta {_num(m['delta'], '+.4f')}"),
         ("cache bytes (measured)", _fmt_bytes(c["kv_bytes"]),
          f"k+v incl. scales; {_fmt_bytes(c['total_bytes'])} with positions and policy stats"),
         ("cache bytes (closed form)", _fmt_bytes(c["closed_form_bytes"]),

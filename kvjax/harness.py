@@ -12,10 +12,9 @@ import dataclasses
 import logging
 import os
 import sys
-import types
 import typing
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -30,7 +29,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 class ModelConf:
     name: str = MISSING
     init_seed: int = 0
-    overrides: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -43,7 +42,7 @@ class SpeedConf:
 class WandbConf:
     mode: str = "offline"
     project: str = "kvjax"
-    entity: Optional[str] = None
+    entity: str | None = None
 
 
 @dataclasses.dataclass
@@ -54,28 +53,24 @@ class RunConf:
     policy: Any = MISSING
     task: Any = MISSING
     kv_dtype: str = "f32"
-    kv_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    budget: Optional[int] = None
+    kv_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    budget: int | None = None
     seed: int = 0
-    max_len: Optional[int] = None
-    sweep: Optional[str] = None
+    max_len: int | None = None
+    sweep: str | None = None
     results: str = "results/results.jsonl"
-    baselines: Optional[str] = None
+    baselines: str | None = None
     force: bool = False
-    progress: Optional[bool] = None
-    xla_cache: Optional[str] = None
+    progress: bool | None = None
+    xla_cache: str | None = None
     speed: SpeedConf = dataclasses.field(default_factory=SpeedConf)
     wandb: WandbConf = dataclasses.field(default_factory=WandbConf)
 
 
 def _omegaconf_type(t):
-    """tuple[X, ...] -> List[X]; X | None -> Optional[X] (what OmegaConf understands)."""
-    origin, args = typing.get_origin(t), typing.get_args(t)
-    if origin is tuple:
-        return List[args[0]]
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return Optional[_omegaconf_type(rest[0])]
+    """tuple[X, ...] -> list[X] (OmegaConf holds sequences as lists)."""
+    if typing.get_origin(t) is tuple:
+        return list[typing.get_args(t)[0]]
     return t
 
 

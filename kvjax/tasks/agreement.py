@@ -14,8 +14,16 @@ import numpy as np
 from kvjax.cache import KVCache
 from kvjax.policies import get_policy
 from kvjax.tasks.base import (
-    Task, TaskContext, TaskResult, agreement_chunk, bar, check_positive, chunked, effective_chunk,
-    nll_chunk, register,
+    Task,
+    TaskContext,
+    TaskResult,
+    agreement_chunk,
+    bar,
+    check_positive,
+    chunked,
+    effective_chunk,
+    nll_chunk,
+    register,
 )
 from kvjax.tasks.perplexity import running_mean, text_ids
 

@@ -23,7 +23,7 @@ from kvjax.config import ModelConfig
 from kvjax.generate import decode_step, prefill, sample
 from kvjax.model import forward
 
-TASKS: dict[str, type["Task"]] = {}
+TASKS: dict[str, type[Task]] = {}
 
 
 def register(cls):
@@ -141,7 +141,7 @@ def agreement_chunk(params, tokens, targets, n_valid, cache, ref_cache, cfg: Mod
     lr = jax.nn.log_softmax(ref_logits, axis=-1)
     kl = jnp.maximum(jnp.sum(jnp.exp(lr) * (lr - lp), axis=-1), 0.0)  # >= 0 up to rounding
     top1 = jnp.argmax(logits, axis=-1) == jnp.argmax(ref_logits, axis=-1)
-    take = lambda a: -jnp.take_along_axis(a, targets[..., None], axis=-1)[..., 0]  # noqa: E731
+    take = lambda a: -jnp.take_along_axis(a, targets[..., None], axis=-1)[..., 0]
     return kl, top1, take(lp), take(lr), cache, ref_cache
 
 

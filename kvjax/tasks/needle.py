@@ -14,8 +14,16 @@ import dataclasses
 import numpy as np
 
 from kvjax.tasks.base import (
-    Task, TaskContext, TaskResult, bar, chat_frame, check_depths, check_positive,
-    contains_answer, greedy_generate, register,
+    Task,
+    TaskContext,
+    TaskResult,
+    bar,
+    chat_frame,
+    check_depths,
+    check_positive,
+    contains_answer,
+    greedy_generate,
+    register,
 )
 from kvjax.tasks.passkey import random_key
 from kvjax.tasks.text import encode_prefix

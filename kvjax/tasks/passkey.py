@@ -14,8 +14,15 @@ import dataclasses
 import numpy as np
 
 from kvjax.tasks.base import (
-    Task, TaskContext, TaskResult, chat_frame, check_depths, check_positive, contains_answer,
-    greedy_generate, register,
+    Task,
+    TaskContext,
+    TaskResult,
+    chat_frame,
+    check_depths,
+    check_positive,
+    contains_answer,
+    greedy_generate,
+    register,
 )
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "

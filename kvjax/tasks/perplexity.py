@@ -14,7 +14,14 @@ import numpy as np
 
 from kvjax.cache import KVCache
 from kvjax.tasks.base import (
-    Task, TaskContext, TaskResult, bar, check_positive, chunked, effective_chunk, nll_chunk,
+    Task,
+    TaskContext,
+    TaskResult,
+    bar,
+    check_positive,
+    chunked,
+    effective_chunk,
+    nll_chunk,
     register,
 )
 from kvjax.tasks.text import encode_prefix

@@ -1,0 +1,139 @@
+"""experiments.report on a synthetic store: plots hold every point, heatmaps, table, filters,
+corrupt lines, the CLI, and the W&B Report built offline."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib.image as mpimg
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `experiments` is a top-level folder, importable from the root
+    sys.path.insert(0, str(ROOT))
+
+from experiments import report
+from kvjax.results import ResultsStore
+
+
+def rec(key, policy, fmt, budget, value, kv_bytes, task="perplexity", sweep="s", grid=None):
+    metric = {"perplexity": "perplexity", "needle": "accuracy"}[task]
+    metrics = {"task": task, "metric": metric, "value": value, "baseline": 10.0,
+               "delta": value - 10.0, "higher_is_better": task == "needle"}
+    if grid is not None:
+        metrics["grid"] = grid
+    return {
+        "key": key, "sweep": sweep, "created": "2026-01-01T00:00:00+00:00",
+        "point": {"policy": {"name": policy, "budget": budget}, "kv_dtype": fmt,
+                  "task": {"name": task}},
+        "metrics": metrics,
+        "cache": {"kv_bytes": kv_bytes, "closed_form_bytes": kv_bytes,
+                  "compression": 1000 / kv_bytes},
+        "timings": {"prefill_s": 0.5, "decode_tok_s": 20.0},
+    }
+
+
+GRID = {"depths": [0.0, 0.5, 1.0], "lengths": [256, 512], "accuracy": [[1, 0], [1, 1], [0, 1]]}
+RECORDS = [
+    rec("a", "full", "f32", None, 10.0, 1000),
+    rec("b", "full", "int4", None, 10.2, 150),
+    rec("c", "h2o", "f32", 128, 11.0, 250),
+    rec("d", "h2o", "int4", 128, 11.5, 40),
+    rec("e", "h2o", "bf16", 512, 10.4, 500),
+    rec("f", "streaming", "int2", 128, 14.0, 20),
+    rec("g", "h2o", "int4", 128, 0.5, 40, task="needle", grid=GRID),
+    rec("h", "full", "f32", None, 1.0, 1000, task="needle", grid=GRID),
+    rec("z", "h2o", "f32", 64, 99.0, 10, sweep="other"),
+]
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = ResultsStore(tmp_path / "results.jsonl")
+    for r in RECORDS:
+        s.append(r)
+    with open(s.path, "a") as f:
+        f.write("{truncated\n")
+    s.append(rec("c", "h2o", "f32", 128, 11.0, 250))  # a duplicate key is not appended
+    return s
+
+
+def test_report_plots_every_point_and_writes_heatmaps_and_table(store, tmp_path):
+    warnings = []
+    res = report.build_report(store.path, tmp_path / "out", sweep="s",
+                              echo=lambda *a, **k: warnings.append(a[0]))
+    out = tmp_path / "out"
+    assert [str(p) for p in res["problems"]] == [
+        "line 10: not valid JSON (Expecting property name enclosed in double quotes at column 2)"]
+    assert "line 10" in warnings[0]
+    swept = {r["key"] for r in RECORDS if r["sweep"] == "s"}
+    plotted = {p["key"] for pts in res["pareto"].values() for p in pts}
+    assert plotted == swept
+    for task in ("perplexity", "needle"):
+        png = out / f"pareto_{task}.png"
+        assert png.read_bytes().startswith(b"\x89PNG") and mpimg.imread(png).shape[0] > 100
+    heatmaps = sorted(p.name for p in out.glob("needle_*.png"))
+    assert heatmaps == ["needle_full_f32_bNone_h.png", "needle_h2o_int4_b128_g.png"]
+    md = (out / "report.md").read_text()
+    assert all(f"]({name})" in md for name in res["images"])
+    assert md.count("\n| perplexity |") == 6 and md.count("\n| needle |") == 2
+    assert "Skipped store lines: line 10" in md
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == len(res["images"]) and "<table>" in html
+
+
+def label(r) -> str:
+    pt = r["point"]
+    return f"{pt['policy']['name']}|{pt['kv_dtype']}|{pt['policy']['budget']}"
+
+
+def test_pareto_artists_hold_every_point_with_its_marker():
+    recs = [r for r in RECORDS if r["point"]["task"]["name"] == "perplexity"]
+    fig, points = report.pareto_figure(recs, "perplexity")
+    ax = fig.axes[0]
+    markers = [ln for ln in ax.get_lines() if ln.get_gid() == report.POINT_GID]
+    got = sorted((ln.get_label(), float(ln.get_xdata()[0]), float(ln.get_ydata()[0]),
+                  ln.get_marker()) for ln in markers)
+    want = sorted((label(r), r["cache"]["kv_bytes"], r["metrics"]["value"],
+                   report.MARKERS[r["point"]["kv_dtype"]]) for r in recs)
+    assert got == want and len(points) == len(recs)
+    assert ax.get_xscale() == "log"
+    colors = {ln.get_label().split("|")[0]: ln.get_color() for ln in markers}
+    assert len(set(colors.values())) == 3  # one colour per policy
+
+
+def test_frontier_keeps_only_pareto_optimal_points():
+    pts = [(40, 11.5), (250, 11.0), (500, 10.4), (300, 12.0)]
+    assert report.frontier(pts, higher_is_better=False) == [(40, 11.5), (250, 11.0), (500, 10.4)]
+    assert report.frontier([(1, 0.2), (2, 0.1), (3, 0.9)], True) == [(1, 0.2), (3, 0.9)]
+
+
+def test_select_filters_and_keeps_the_last_record_per_key():
+    recs = RECORDS + [rec("a", "full", "f32", None, 9.0, 1000)]
+    assert {r["key"] for r in report.select(recs, where=["policy.name=h2o"])} == {"c", "d", "e", "g", "z"}
+    assert {r["key"] for r in report.select(recs, "s", ["kv_dtype=int4", "task.name=needle"])} == {"g"}
+    assert [r["metrics"]["value"] for r in report.select(recs) if r["key"] == "a"] == [9.0]
+    with pytest.raises(ValueError, match="path=value"):
+        report.select(recs, where=["oops"])
+
+
+def test_cli(store, tmp_path, capsys):
+    assert report.main(["--store", str(store.path), "--out", str(tmp_path / "cli"),
+                        "--where", "task.name=perplexity"]) == 0
+    assert "report:" in capsys.readouterr().out
+    assert (tmp_path / "cli" / "report.md").is_file()
+    assert report.main(["--store", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_wandb_report_is_built_offline():
+    wr = pytest.importorskip("wandb_workspaces.reports.v2")
+    r = report.build_wandb_report(RECORDS[:5], project="kvjax", entity="someone", sweep="s")
+    assert isinstance(r, wr.Report) and r.entity == "someone" and r.project == "kvjax"
+    grid = next(b for b in r.blocks if isinstance(b, wr.PanelGrid))
+    assert [p.y for p in grid.panels] == ["perplexity"] and grid.panels[0].x == "cache/kv_bytes"
+    assert "sweep" in grid.runsets[0].filters
+    table = next(b for b in r.blocks if isinstance(b, wr.MarkdownBlock))
+    assert table.text.count("\n| perplexity |") == 5
+    json.dumps(r.title)
