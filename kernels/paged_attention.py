@@ -376,6 +376,8 @@ def paged_attention(
     layer=None,
     sm_scale=None,
     return_mass=False,
+    extra_lse=None,
+    return_lse=False,
     pages_per_block=None,
     num_splits=None,
     block_g=None,
@@ -386,7 +388,13 @@ def paged_attention(
     """Decode attention over pages. q [B, H, E]; pages [K, P, page, E] (or [L, ...] with `layer`);
     block_tables [B, M] int32; lengths [B]. Returns o [B, H, E] (q.dtype), and with
     `return_mass` also the attention mass [B, K, M*page] (probabilities summed over each kv
-    head's G query heads; 0 past the length and on evicted pages).
+    head's G query heads; 0 past the length and on evicted pages), and with `return_lse` the
+    log-sum-exp of the scores [B, H] float32 (-inf for a row with no attended token).
+
+    extra_lse [B, H]: log-sum-exp of the (scaled) scores of keys outside the pages that share
+    this softmax (e.g. the query's own token, not yet stored). o, the mass and the returned lse
+    are then normalized over pages ∪ those keys; o lacks the extra keys' share
+    sum_x exp(s_x - lse) v_x, which the caller adds.
     """
     page = jax.tree.leaves(k_pages)[0].shape[-2]
     check_page_size(page)
@@ -394,6 +402,8 @@ def paged_attention(
     _check_static(q, k_pages, v_pages, block_tables, lengths, ppb, block_g, interpret)
     if not any(isinstance(x, jax.core.Tracer) for x in (block_tables, lengths)):
         _check_values(block_tables, lengths, jax.tree.leaves(k_pages)[0].shape[-3], page)
+    if extra_lse is not None and extra_lse.shape != q.shape[:2]:
+        raise ValueError(f"extra_lse must be [B, H] = {q.shape[:2]}, got {extra_lse.shape}")
     nl = jax.tree.leaves(k_pages)[0].ndim
     if layer is None:
         if nl == 5 and jax.tree.leaves(k_pages)[0].shape[0] != 1:
@@ -406,8 +416,10 @@ def paged_attention(
         block_tables.astype(jnp.int32),
         lengths.astype(jnp.int32),
         jnp.asarray(layer, jnp.int32).reshape(1),
+        None if extra_lse is None else extra_lse.astype(jnp.float32),
         sm_scale=sm_scale,
         return_mass=return_mass,
+        return_lse=return_lse,
         pages_per_block=ppb,
         num_splits=num_splits,
         block_g=block_g,
@@ -422,6 +434,7 @@ def paged_attention(
     static_argnames=(
         "sm_scale",
         "return_mass",
+        "return_lse",
         "pages_per_block",
         "num_splits",
         "block_g",
@@ -437,9 +450,11 @@ def _paged_attention(
     block_tables,
     lengths,
     layer,
+    extra_lse,
     *,
     sm_scale,
     return_mass,
+    return_lse,
     pages_per_block,
     num_splits,
     block_g,
@@ -524,19 +539,27 @@ def _paged_attention(
 
     m = m_s.max(axis=2)  # [B, K, Gp]
     corr = jnp.exp(m_s - m[:, :, None])  # [B, K, S, Gp]
-    l = (corr * l_s).sum(axis=2)  # [B, K, Gp]
+    l = (corr * l_s).sum(axis=2)[:, :, :G]  # [B, K, G]
+    m = m[:, :, :G]
     l_safe = jnp.where(l > 0, l, 1.0)
-    o = jnp.einsum("BKSG,BKSGE->BKGE", corr, o_s) / l_safe[..., None]  # [B, K, Gp, E]
-    o = o[:, :, :G].reshape(B, H, E).astype(q.dtype)
-    if not return_mass:
-        return o
-    scores = outs[3][:, :, :G, : M * page]  # [B, K, G, T]
-    tok = jnp.arange(M * page)
-    bt_ok = jnp.repeat((block_tables >= 0) & (block_tables < P), page, axis=1)  # [B, T]
-    valid = (tok[None, :] < lengths[:, None]) & bt_ok  # [B, T]
-    probs = jnp.exp(scores - m[:, :, :G, None]) / l_safe[:, :, :G, None]  # [B, K, G, T]
-    mass = jnp.where(valid[:, None, None, :], probs, 0.0).sum(axis=2)  # [B, K, T]
-    return o, mass
+    o = jnp.einsum("BKSG,BKSGE->BKGE", corr, o_s)[:, :, :G] / l_safe[..., None]  # [B, K, G, E]
+    lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)  # [B, K, G] over the pages
+    if extra_lse is not None:
+        lse_all = jnp.logaddexp(lse, extra_lse.reshape(B, K, G))  # [B, K, G]
+        o = o * jnp.where(l > 0, jnp.exp(lse - lse_all), 0.0)[..., None]
+        lse = lse_all
+    outs_ = [o.reshape(B, H, E).astype(q.dtype)]
+    if return_mass:
+        scores = outs[3][:, :, :G, : M * page]  # [B, K, G, T]
+        tok = jnp.arange(M * page)
+        bt_ok = jnp.repeat((block_tables >= 0) & (block_tables < P), page, axis=1)  # [B, T]
+        valid = (tok[None, :] < lengths[:, None]) & bt_ok  # [B, T]
+        norm = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]  # [B, K, G, 1]
+        probs = jnp.where(valid[:, None, None, :], jnp.exp(scores - norm), 0.0)  # [B, K, G, T]
+        outs_.append(probs.sum(axis=2))  # [B, K, T]
+    if return_lse:
+        outs_.append(lse.reshape(B, H))
+    return outs_[0] if len(outs_) == 1 else tuple(outs_)
 
 
 # --------------------------------------------------------------------------- reference
@@ -555,7 +578,17 @@ def gather_pages(pages, block_tables, layer=None):
 
 
 def paged_attention_reference(
-    q, k_pages, v_pages, block_tables, lengths, *, layer=None, sm_scale=None, return_mass=False
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    *,
+    layer=None,
+    sm_scale=None,
+    return_mass=False,
+    extra_lse=None,
+    return_lse=False,
 ):
     """Pure-jnp paged decode attention through gathers (same contract as `paged_attention`)."""
     B, H, E = q.shape
@@ -575,11 +608,17 @@ def paged_attention_reference(
     m = jnp.max(s, axis=-1, keepdims=True)  # [B, K, G, 1]
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.where(valid, jnp.exp(s - m), 0.0)  # [B, K, G, T]
-    denom = p.sum(-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
+    denom = p.sum(-1, keepdims=True)  # [B, K, G, 1]
+    lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    if extra_lse is not None:
+        lse = jnp.logaddexp(lse, extra_lse.reshape(B, K, H // K, 1).astype(jnp.float32))
+    norm = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    p = jnp.where(valid, jnp.exp(s - norm), 0.0)  # [B, K, G, T]
     v = jnp.where(valid[:, :, 0, :, None], v, 0.0)
     o = jnp.einsum("BKGT,BKTE->BKGE", p, v, precision=lax.Precision.HIGHEST)  # [B, K, G, E]
-    o = o.reshape(B, H, E).astype(q.dtype)
+    outs = [o.reshape(B, H, E).astype(q.dtype)]
     if return_mass:
-        return o, p.sum(axis=2)  # [B, K, T]
-    return o
+        outs.append(p.sum(axis=2))  # [B, K, T]
+    if return_lse:
+        outs.append(lse.reshape(B, H))
+    return outs[0] if len(outs) == 1 else tuple(outs)
