@@ -4,20 +4,37 @@ Storage of k and v belongs to the cache's format (`kvjax.formats`), so the model
 whether slots hold f32 or packed int4; what each slot holds belongs to the policy. Writes go
 through `write`, which scatters only the written slots of one layer (the cache rides in the
 layer scan's carry, so a decode step never copies the whole cache).
+
+Layouts: `get_layout("dense")` builds this `KVCache`; `get_layout("paged", page_size=16,
+impl="pallas")` builds a `kvjax.paged.PagedCache` (a page pool with block tables). Both give
+`forward` the same protocol, so the model never branches on the layout:
+
+    cache = cache.begin(n_valid)                           # once per call (paged: reserve pages)
+    per layer, read-only scan:
+        view = cache.layer_view(layer)
+        out, probs = cache.attend(view, q, k, v, pos_new, rope_theta)   # q, k unrotated
+        update = cache.update(view, k, v, pos_new, probs, rope_theta)   # what to store
+    per layer, write-only scan:
+        cache = cache.store(layer, update, pos_new)
+    cache = cache.finish(n_valid)                          # lengths (paged: page eviction)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax.attention import attention, rope
 from kvjax.config import ModelConfig
 from kvjax.policies.base import LayerView
+
+LAYOUTS = ("dense", "paged")
 
 
 def _bytes(tree) -> int:
@@ -115,6 +132,38 @@ class KVCache:
                 nonfinite=self.nonfinite.at[layer].set(self.nonfinite[layer] | bad),
             )
 
+    # ---- the protocol `kvjax.model.forward` calls (see the module docstring)
+
+    def begin(self, n_valid) -> KVCache:
+        return self
+
+    def _rotated(self, view: LayerView, x, pos_new, rope_theta: float):
+        """x [B, T, ., E] rotated at the policy's chunk positions, and its cached-key positions
+        ([B, K, C], or None when keys are stored rotated at their absolute positions)."""
+        q_pos, key_pos = self.policy.rope_positions(view, pos_new)  # [B, T], [B, K, C] | None
+        return rope(x, q_pos[:, :, None], rope_theta), key_pos
+
+    def attend(self, view: LayerView, q, k, v, pos_new, rope_theta: float):
+        """Reference attention of a chunk (q [B, T, H, E], k, v [B, T, K, E], unrotated) over the
+        layer's slots and itself: out [B, T, H, E], probs [B, K, T, C + T]."""
+        q, _ = self._rotated(view, q, pos_new, rope_theta)
+        k, key_pos = self._rotated(view, k, pos_new, rope_theta)
+        k_cached = view.k if key_pos is None else rope(view.k, key_pos, rope_theta)
+        return attention(q, k, v, pos_new, k_cached, view.v, view.pos)
+
+    def update(self, view: LayerView, k, v, pos_new, probs, rope_theta: float):
+        """The policy's placement of the chunk: (slots, keys to store, values, stats)."""
+        k_rot, key_pos = self._rotated(view, k, pos_new, rope_theta)
+        slots, stats = self.policy.update(view, k_rot, v, pos_new, probs)
+        return slots, k_rot if key_pos is None else k, v, stats
+
+    def store(self, layer, update, pos_new) -> KVCache:
+        slots, k, v, stats = update
+        return self.write(layer, slots, k, v, pos_new, stats)
+
+    def finish(self, n_valid) -> KVCache:
+        return self.replace(length=self.length + n_valid)
+
     def check_finite(self) -> None:
         """Raise (on the host) naming the layers whose keys/values held NaN or inf."""
         bad = np.flatnonzero(np.asarray(self.nonfinite))
@@ -123,3 +172,54 @@ class KVCache:
                 f"NaN or inf keys/values reached the KV cache in layer(s) {bad.tolist()}; "
                 "they were not silently stored as valid data (check the model inputs/weights)"
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseLayout:
+    """Contiguous `[L, B, K, C, E]` slots per row (`KVCache`); attention is the jnp reference."""
+
+    name: ClassVar[str] = "dense"
+    impl: str = "reference"
+
+    def __post_init__(self):
+        if self.impl != "reference":
+            raise ValueError(
+                f"attention impl {self.impl!r} needs layout='paged' (the Pallas kernel reads "
+                "pages); the dense layout runs impl='reference'"
+            )
+
+    def validate(self, policy, fmt, max_len: int) -> None:
+        policy.validate(max_len)
+
+    def init(self, cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None):
+        return KVCache.init(cfg, batch, policy, fmt, max_len)
+
+    def abstract(self, cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None):
+        return KVCache.abstract(cfg, batch, policy, fmt, max_len)
+
+
+def get_layout(name: str = "dense", **options):
+    """A cache layout by name: "dense" (option: impl="reference") or "paged" (page_size=16,
+    num_pages=None, impl="reference"|"pallas", interpret=None, num_splits=None, probs=False).
+    `layout.init(cfg, batch, policy, fmt, max_len)` builds the cache."""
+    if name == "dense":
+        cls = DenseLayout
+    elif name == "paged":
+        from kvjax.paged import PagedLayout
+
+        cls = PagedLayout
+    else:
+        raise ValueError(f"unknown cache layout {name!r}; valid layouts: {', '.join(LAYOUTS)}")
+    fields = [f.name for f in dataclasses.fields(cls)]
+    bad = sorted(set(options) - set(fields))
+    if bad:
+        raise ValueError(f"layout {name!r} has no option(s) {bad}; its options are: {fields}")
+    return cls(**options)
+
+
+def init_cache(cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None,
+               layout=None):
+    """An empty cache in `layout` (a layout object or a name; default dense)."""
+    if layout is None or isinstance(layout, str):
+        layout = get_layout(layout or "dense")
+    return layout.init(cfg, batch, policy, fmt, max_len)

@@ -2,7 +2,9 @@
 
 Prefill, decode (T = 1) and streaming perplexity are the same call on chunks of T >= 1 tokens.
 Layers run under `jax.lax.scan` over stacked params, so compile time does not grow with depth;
-a second scan stores each layer's new slots in place.
+a second scan stores each layer's new slots in place. The model talks to the cache only through
+its protocol (`begin`, `layer_view`, `attend`, `update`, `store`, `finish`; see kvjax/cache.py),
+so the dense `KVCache` and the paged `kvjax.paged.PagedCache` run the same code.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.attention import attention, rms_norm, rope
+from kvjax.attention import rms_norm
 from kvjax.cache import KVCache
 from kvjax.config import ModelConfig
 
@@ -44,21 +46,13 @@ def _layer(cfg: ModelConfig, lp, x, pos_new, cache: KVCache, layer):
     """One decoder layer over a chunk: the new residual stream and what to store where."""
     h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)  # [B, T, D]
     q = jnp.einsum("BTD,DHE->BTHE", h, lp["wq"])  # [B, T, H, E]
-    k_raw = jnp.einsum("BTD,DKE->BTKE", h, lp["wk"])  # [B, T, K, E]
+    k = jnp.einsum("BTD,DKE->BTKE", h, lp["wk"])  # [B, T, K, E]
     v = jnp.einsum("BTD,DKE->BTKE", h, lp["wv"])  # [B, T, K, E]
     view = cache.layer_view(layer)
-    q_pos, cached_key_pos = cache.policy.rope_positions(view, pos_new)  # [B, T], [B, K, C] | None
-    q = rope(q, q_pos[:, :, None], cfg.rope_theta)
-    k = rope(k_raw, q_pos[:, :, None], cfg.rope_theta)
-    if cached_key_pos is None:  # keys are stored rotated at their absolute positions
-        k_cached, k_store = view.k, k
-    else:  # keys are stored unrotated and rotated here at the policy's positions
-        k_cached, k_store = rope(view.k, cached_key_pos, cfg.rope_theta), k_raw
-    with jax.named_scope("attention"):
-        out, probs = attention(q, k, v, pos_new, k_cached, view.v, view.pos)
+    with jax.named_scope("attention"):  # RoPE at the cache's positions, then attention
+        out, probs = cache.attend(view, q, k, v, pos_new, cfg.rope_theta)  # [B, T, H, E]
     with jax.named_scope("policy"):
-        slots, stats = cache.policy.update(view, k, v, pos_new, probs)
-    write = (slots, k_store, v, stats)  # stored after the layer scan, see `forward`
+        write = cache.update(view, k, v, pos_new, probs, cfg.rope_theta)
     x = x + jnp.einsum("BTHE,HED->BTD", out, lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
     gate = jnp.einsum("BTD,DF->BTF", h, lp["w_gate"])  # [B, T, F]
@@ -75,6 +69,7 @@ def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None):
     B, T = tokens.shape
     t = jnp.arange(T, dtype=jnp.int32)
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
+    cache = cache.begin(n_valid)
     pos_new = jnp.where(t[None] < n_valid[:, None], cache.length[:, None] + t[None], -1)  # [B, T]
     x = params["embed"][tokens]  # [B, T, D]
 
@@ -89,14 +84,14 @@ def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None):
     x, writes = jax.lax.scan(body, x, (params["layers"], layer_ids))
 
     def store(c, xs):
-        layer, (slots, k, v, stats) = xs
-        return c.write(layer, slots, k, v, pos_new, stats), None
+        layer, write = xs
+        return c.store(layer, write, pos_new), None
 
     cache, _ = jax.lax.scan(store, cache, (layer_ids, writes))
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]  # [D, V]
     logits = jnp.einsum("BTD,DV->BTV", x, head).astype(jnp.float32)
-    return logits, cache.replace(length=cache.length + n_valid)
+    return logits, cache.finish(n_valid)
 
 
 forward_jit = jax.jit(forward, static_argnames=("cfg",))

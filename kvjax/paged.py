@@ -27,13 +27,15 @@ is computed over the tokens they already hold (finite, but not the intended resu
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax.attention import attention, rope
 from kvjax.kernels.paged_attention import (
     NO_PAGE,
     VALID_PAGE_SIZES,
@@ -199,11 +201,12 @@ class PagedKVCache:
 # --------------------------------------------------------------------------- allocation
 
 
-def _requests(cache: PagedKVCache, n_new):
+def _requests(cache: PagedKVCache, n_new, keep=None):
     """[B, M] bool: table slots that need a fresh page to take n_new tokens per row.
 
     A slot needs one when it is a new page past the row's pages, or the partially filled page
-    the next token lands in is shared (refcount > 1: copy-on-write) or was evicted.
+    the next token lands in is shared (refcount > 1: copy-on-write) or was evicted. With keep
+    [B, M], only kept slots get pages (tokens of the others are not stored).
     """
     page, P, M = cache.page_size, cache.num_pages, cache.max_pages
     ln = cache.lengths
@@ -216,17 +219,19 @@ def _requests(cache: PagedKVCache, n_new):
     valid = (ids >= 0) & (ids < P)
     shared = cache.refcount[jnp.clip(ids, 0, P - 1)] > 1
     fits = _cdiv(new_len, page) <= M  # [B]
+    if keep is not None:
+        in_range = in_range & keep
     return in_range & (~valid | shared), fits
 
 
-def pages_needed(cache: PagedKVCache, n_new) -> jax.Array:
+def pages_needed(cache: PagedKVCache, n_new, keep=None) -> jax.Array:
     """Fresh pages each row needs to take n_new [B] more tokens (copy-on-write included)."""
-    req, _ = _requests(cache, jnp.asarray(n_new, jnp.int32))
+    req, _ = _requests(cache, jnp.asarray(n_new, jnp.int32), keep)
     return req.sum(axis=1)
 
 
-def _check_reserve(cache: PagedKVCache, n_new) -> None:
-    req, fits = jax.device_get(_requests(cache, n_new))
+def _check_reserve(cache: PagedKVCache, n_new, keep=None) -> None:
+    req, fits = jax.device_get(_requests(cache, n_new, keep))
     ln, n = np.asarray(cache.lengths), np.asarray(n_new)
     if (n < 0).any():
         raise ValueError(f"n_new must be >= 0, got {n.tolist()}")
@@ -245,18 +250,20 @@ def _check_reserve(cache: PagedKVCache, n_new) -> None:
         )
 
 
-def reserve(cache: PagedKVCache, n_new) -> tuple[PagedKVCache, jax.Array]:
+def reserve(cache: PagedKVCache, n_new, keep=None) -> tuple[PagedKVCache, jax.Array]:
     """Allocate pages so row b can take n_new[b] tokens; copy-on-write shared partial pages.
 
-    Returns (cache, granted [B]): granted[b] = n_new[b], or 0 for a row preempted under jit
-    (eagerly, running out raises `OutOfPagesError` before any work).
+    keep [B, M] (optional): only these table slots get pages; tokens landing elsewhere are not
+    stored (pass the same mask to `write`). Returns (cache, granted [B]): granted[b] = n_new[b],
+    or 0 for a row preempted under jit (eagerly, running out raises `OutOfPagesError` before
+    any work).
     """
     n_new = jnp.broadcast_to(jnp.asarray(n_new, jnp.int32), cache.lengths.shape)
-    if not _is_traced(cache, n_new):
-        _check_reserve(cache, n_new)
+    if not _is_traced(cache, n_new, keep):
+        _check_reserve(cache, n_new, keep)
     P, page = cache.num_pages, cache.page_size
     B, M = cache.block_tables.shape
-    req, fits = _requests(cache, n_new)  # [B, M], [B]
+    req, fits = _requests(cache, n_new, keep)  # [B, M], [B]
     count = jnp.where(fits, req.sum(axis=1), 0)  # [B]
     n_free = jnp.sum(cache.refcount == 0)
     ok = fits & (jnp.cumsum(count) <= n_free)  # [B] rows served in batch order
@@ -292,9 +299,10 @@ def reserve(cache: PagedKVCache, n_new) -> tuple[PagedKVCache, jax.Array]:
     ), granted
 
 
-def write(cache: PagedKVCache, layer, k_new, v_new, granted=None) -> PagedKVCache:
+def write(cache: PagedKVCache, layer, k_new, v_new, granted=None, keep=None) -> PagedKVCache:
     """Store the first granted[b] tokens of k_new, v_new ([B, T, K, E] or [B, K, E]) of one layer
-    at positions lengths[b] + t (call `reserve` first, `advance` after the last layer)."""
+    at positions lengths[b] + t (call `reserve` first, `advance` after the last layer). With
+    keep [B, M], only tokens whose table slot is kept are stored."""
     if k_new.ndim == 3:
         k_new, v_new = k_new[:, None], v_new[:, None]
     B, T, K, _ = k_new.shape
@@ -304,8 +312,10 @@ def write(cache: PagedKVCache, layer, k_new, v_new, granted=None) -> PagedKVCach
     t = jnp.arange(T)[None, :]  # [1, T]
     pos = cache.lengths[:, None] + t  # [B, T]
     slot = jnp.take_along_axis(cache.block_tables, jnp.clip(pos // page, 0, M - 1), axis=1)
-    keep = (t < granted[:, None]) & (slot >= 0) & (slot < P)  # [B, T]
-    slot = jnp.where(keep, slot, P)[:, :, None]  # [B, T, 1], P = dropped
+    ok = (t < granted[:, None]) & (slot >= 0) & (slot < P)  # [B, T]
+    if keep is not None:
+        ok = ok & jnp.take_along_axis(keep, jnp.clip(pos // page, 0, M - 1), axis=1)
+    slot = jnp.where(ok, slot, P)[:, :, None]  # [B, T, 1], P = dropped
     off = (pos % page)[:, :, None]  # [B, T, 1]
     kh = jnp.arange(K)[None, None, :]  # [1, 1, K]
 
@@ -424,16 +434,20 @@ def evict_pages(cache: PagedKVCache, drop) -> PagedKVCache:
     return _release(cache, jnp.asarray(drop, bool))
 
 
+def window_pages(lengths, max_pages: int, page: int, window: int, sinks: int = 0):
+    """[B, M] bool: table slots holding one of the first `sinks` tokens or one of the last
+    `window` of `lengths` [B] tokens (the pages `window_evict` keeps)."""
+    j = jnp.arange(max_pages)[None, :]  # [1, M]
+    recent = (j + 1) * page > (lengths - window)[:, None]
+    return recent | (j * page < sinks)
+
+
 def window_evict(cache: PagedKVCache, window: int, sinks: int = 0, rows=None) -> PagedKVCache:
     """Keep, per row, the pages holding the first `sinks` tokens and the last `window` tokens
     (window: sinks=0; StreamingLLM: sinks>0). Page-granular, so up to page-1 extra recent tokens
     stay attended; the pool then holds at most cdiv(sinks, page) + cdiv(window, page) + 1 pages
     per row. rows [B] bool limits it to some rows (default: all)."""
-    page = cache.page_size
-    j = jnp.arange(cache.max_pages)[None, :]  # [1, M]
-    recent = (j + 1) * page > (cache.lengths - window)[:, None]
-    sink = j * page < sinks
-    drop = ~(recent | sink)
+    drop = ~window_pages(cache.lengths, cache.max_pages, cache.page_size, window, sinks)
     if rows is not None:
         drop = drop & jnp.asarray(rows, bool)[:, None]
     return evict_pages(cache, drop)
@@ -497,25 +511,350 @@ def memory_stats(cache: PagedKVCache) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- model integration
+# `PagedLayout(...).init(cfg, batch, policy, fmt, max_len)` builds a `PagedCache`: the cache the
+# model's `forward` drives through the same protocol as the dense `KVCache` (see kvjax/cache.py).
+
+PAGED_POLICIES = ("full", "window", "streaming")
+PAGED_FORMATS = ("f32", "bf16", "int8", "int4")
+IMPLS = ("reference", "pallas")
+
+
+def page_kind(fmt) -> tuple[str, int]:
+    """(page kind, int4 group) storing a kvjax.formats format in pages, or a ValueError."""
+    name = getattr(fmt, "name", fmt)
+    if name in ("f32", "bf16", "int8"):
+        return name, 32
+    if name == "int4" and getattr(fmt, "key_mode", "token") == "token":
+        return "int4", fmt.group
+    if name == "int4":
+        raise ValueError(
+            "kv format int4 with key_mode='channel' (KIVI keys, the dense default) does not fit "
+            "pages: the paged kernel reads whole tokens, so paged int4 quantizes keys per token; "
+            "pass key_mode='token' (kv_options={key_mode: token}) or use layout='dense'"
+        )
+    raise ValueError(
+        f"kv format {name!r} is not supported on the paged layout; supported: "
+        f"{', '.join(PAGED_FORMATS)} (int4 with key_mode='token'); use layout='dense' for {name!r}"
+    )
+
+
+def eviction_rule(policy) -> tuple[int, int] | None:
+    """(window, sinks) of the page-granular rule for a policy, None for no eviction."""
+    name = policy.name
+    if name not in PAGED_POLICIES:
+        raise ValueError(
+            f"policy {name!r} is not supported on the paged layout (a page holds every kv head, "
+            "so only position-based, page-granular eviction maps onto it); supported on paged: "
+            f"{', '.join(PAGED_POLICIES)}; use layout='dense' for {name!r}"
+        )
+    if name == "full" or policy.budget is None:
+        return None
+    if name == "window":
+        return policy.budget, 0
+    return policy.budget - policy.n_sink, policy.n_sink
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayout:
+    """The paged layout: a pool of `num_pages` pages of `page_size` tokens shared by the rows.
+
+    impl: "reference" (gathered pages + kvjax.attention) or "pallas" (the paged kernel for
+    decode steps, T = 1; chunks of T > 1 use the reference). interpret: run the kernel in
+    Pallas interpret mode (None: on anything but a GPU). num_pages None: enough pages that no
+    row ever waits (`pages_per_row` each). probs: also return the attention mass (no paged
+    policy reads it; for inspection and future page-level scoring).
+    """
+
+    name: ClassVar[str] = "paged"
+    page_size: int = 16
+    num_pages: int | None = None
+    impl: str = "reference"
+    interpret: bool | None = None
+    num_splits: int | None = None
+    probs: bool = False
+
+    def __post_init__(self):
+        check_page_size(self.page_size)
+        if self.impl not in IMPLS:
+            raise ValueError(f"attention impl {self.impl!r} is not one of {IMPLS}")
+        n = self.num_pages
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"num_pages={n!r} must be a positive integer or None (auto)")
+
+    def validate(self, policy, fmt, max_len: int) -> None:
+        """Raise a ValueError naming what the paged layout supports, before any model work."""
+        eviction_rule(policy)
+        page_kind(fmt)
+        policy.validate(max_len)
+
+    def pages_per_row(self, policy, max_len: int) -> int:
+        """Pages one row can hold at once: all of max_len without eviction; with a window W and
+        sinks S, the sink pages plus the pages a W-token window spans before and after a chunk
+        (a chunk longer than W stores only its last W tokens)."""
+        M = _cdiv(max_len, self.page_size)
+        rule = eviction_rule(policy)
+        if rule is None:
+            return M
+        window, sinks = rule
+        return min(M, _cdiv(sinks, self.page_size) + (2 * window - 1) // self.page_size + 2)
+
+    def init(self, cfg, batch: int, policy, fmt, max_len: int | None = None) -> PagedCache:
+        """An empty paged cache for `batch` rows of up to `max_len` tokens."""
+        max_len = cfg.max_seq_len if max_len is None else max_len
+        self.validate(policy, fmt, max_len)
+        kind, group = page_kind(fmt)
+        n = self.num_pages or batch * self.pages_per_row(policy, max_len)
+        pages = PagedKVCache.init(
+            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, batch, n, self.page_size, max_len, kind,
+            group,
+        )
+        return PagedCache(
+            pages=pages,
+            granted=jnp.zeros((batch,), jnp.int32),
+            nonfinite=jnp.zeros((cfg.n_layers,), bool),
+            policy=policy,
+            fmt=fmt,
+            layout=self,
+            max_len=max_len,
+        )
+
+    def abstract(self, cfg, batch: int, policy, fmt, max_len: int | None = None) -> PagedCache:
+        """Shapes and dtypes without allocating."""
+        return jax.eval_shape(lambda: self.init(cfg, batch, policy, fmt, max_len))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedView:
+    """What one layer's attention needs of a paged cache: the layer index (pools stay whole)."""
+
+    layer: jax.Array
+
+
+@struct.dataclass
+class PagedCache:
+    """A `PagedKVCache` driven by the model through the cache protocol.
+
+    Per forward call: `begin` reserves pages for the chunk (once, outside the layer scans);
+    per layer, `attend` reads the pool and `update` returns the keys and values to store; a
+    second scan `store`s them; `finish` advances the lengths and evicts pages.
+
+    Eviction rule (window W = budget, sinks 0; streaming W = budget - n_sink, sinks = n_sink):
+    after each forward call a row keeps the pages holding its first `sinks` tokens and every
+    page holding one of its last W tokens, so between W and W + page - 1 recent tokens stay
+    attended (the dense window attends exactly W). A chunk's tokens whose page would not be
+    kept are never stored. Keys are stored rotated at their absolute positions; for streaming
+    with rope="cache" the sink pages' keys are re-rotated by the evicted count when read
+    (RoPE scores depend only on position differences, so the other keys need no change).
+    """
+
+    pages: PagedKVCache
+    granted: jax.Array  # [B] tokens this forward call stores per row (set by `begin`)
+    nonfinite: jax.Array  # [L] NaN/inf reached a layer's write
+    policy: Any = struct.field(pytree_node=False)
+    fmt: Any = struct.field(pytree_node=False)
+    layout: PagedLayout = struct.field(pytree_node=False)
+    max_len: int = struct.field(pytree_node=False)
+
+    @property
+    def length(self) -> jax.Array:
+        return self.pages.lengths
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the policy keeps per row (its budget; max_len for `full`)."""
+        return self.policy.capacity(self.max_len)
+
+    @property
+    def rule(self):
+        return eviction_rule(self.policy)
+
+    @property
+    def interpret(self) -> bool:
+        if self.layout.interpret is None:
+            return jax.default_backend() != "gpu"
+        return self.layout.interpret
+
+    def nbytes(self) -> int:
+        """Real bytes of every buffer: page pools (scales included), tables, allocator state."""
+        return self.pages.nbytes() + _nbytes((self.granted, self.nonfinite))
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the k/v page pools (format metadata included)."""
+        return self.pages.kv_nbytes()
+
+    def memory_stats(self) -> dict:
+        """Host-side occupancy of the pool (pages used, tokens held, waste)."""
+        return memory_stats(self.pages)
+
+    def check_finite(self) -> None:
+        """Raise on the host for NaN/inf keys/values or preempted rows / broken tables."""
+        bad = np.flatnonzero(np.asarray(self.nonfinite))
+        if bad.size:
+            raise FloatingPointError(
+                f"NaN or inf keys/values reached the KV cache in layer(s) {bad.tolist()}; "
+                "they were not silently stored as valid data (check the model inputs/weights)"
+            )
+        check(self.pages)
+
+    # ---- the protocol `kvjax.model.forward` calls
+
+    def _keep(self, lengths):
+        """[B, M] table slots held once rows have `lengths` tokens (None: keep everything)."""
+        if self.rule is None:
+            return None
+        window, sinks = self.rule
+        return window_pages(lengths, self.pages.max_pages, self.pages.page_size, window, sinks)
+
+    def begin(self, n_valid) -> PagedCache:
+        """Reserve pages for this chunk's n_valid [B] tokens (those the rule keeps)."""
+        with jax.named_scope("page_reserve"):
+            keep = self._keep(self.pages.lengths + n_valid)
+            pages, granted = reserve(self.pages, n_valid, keep)
+        return self.replace(pages=pages, granted=granted)
+
+    def layer_view(self, layer) -> PagedView:
+        return PagedView(layer=layer)
+
+    def _shift(self):
+        """[B] tokens evicted from each row (streaming rope="cache" only, else None)."""
+        if self.policy.name != "streaming" or self.policy.rope != "cache" or self.rule is None:
+            return None
+        page, P = self.pages.page_size, self.pages.num_pages
+        bt, ln = self.pages.block_tables, self.pages.lengths
+        j = jnp.arange(self.pages.max_pages)[None, :]  # [1, M]
+        fill = jnp.clip(ln[:, None] - j * page, 0, page)  # [B, M] tokens in each table slot
+        held = jnp.sum(jnp.where((bt >= 0) & (bt < P), fill, 0), axis=1)  # [B]
+        return ln - held
+
+    def _sink_pages(self) -> int:
+        return _cdiv(self.rule[1], self.pages.page_size)
+
+    def attend(self, view: PagedView, q, k, v, pos_new, rope_theta: float):
+        """Attention of a chunk over the held pages plus the chunk itself (causal).
+
+        q [B, T, H, E], k, v [B, T, K, E] unrotated; pos_new [B, T] (-1 = padding). Returns
+        out [B, T, H, E] and probs [B, K, T, M*page + T] (pages in token order, then the chunk;
+        None unless the layout asks for them on the kernel path).
+        """
+        q = rope(q, pos_new[:, :, None], rope_theta)  # [B, T, H, E]
+        k = rope(k, pos_new[:, :, None], rope_theta)  # [B, T, K, E]
+        shift = self._shift()
+        if q.shape[1] == 1 and self.layout.impl == "pallas":
+            return self._attend_kernel(view.layer, q, k, v, pos_new, shift, rope_theta)
+        return self._attend_gathered(view.layer, q, k, v, pos_new, shift, rope_theta)
+
+    def _attend_gathered(self, layer, q, k, v, pos_new, shift, rope_theta):
+        """Reference path: gather the layer's pages densely, then `kvjax.attention.attention`."""
+        k_c, v_c, valid = gather(self.pages, layer)  # [B, K, N, E] x2, [B, N]
+        B, K, N, _ = k_c.shape
+        if shift is not None:
+            n = min(N, self._sink_pages() * self.pages.page_size)
+            sk = rope(k_c[:, :, :n], jnp.broadcast_to(shift[:, None, None], (B, K, n)), rope_theta)
+            k_c = k_c.at[:, :, :n].set(sk)
+        pos_c = jnp.where(valid, jnp.arange(N, dtype=jnp.int32)[None, :], -1)  # [B, N]
+        pos_c = jnp.broadcast_to(pos_c[:, None, :], (B, K, N))  # [B, K, N]
+        return attention(q, k, v, pos_new, k_c, v_c, pos_c)
+
+    def _attend_kernel(self, layer, q, k, v, pos_new, shift, rope_theta):
+        """Decode path: the Pallas kernel over the pool, merged with the token itself (and, for
+        re-rotated sinks, the sink pages) through the kernel's log-sum-exp."""
+        pg = self.pages
+        B, _, H, E = q.shape
+        K = k.shape[2]
+        G = H // K
+        qg = q[:, 0].reshape(B, K, G, E).astype(jnp.float32)  # [B, K, G, E]
+        xk = jnp.swapaxes(k, 1, 2).astype(jnp.float32)  # [B, K, 1, E] extra keys: the token
+        xv = jnp.swapaxes(v, 1, 2).astype(jnp.float32)  # [B, K, 1, E]
+        x_ok = jnp.ones((B, 1), bool)  # [B, X]
+        bt = pg.block_tables
+        n_sink = 0
+        if shift is not None:  # sink pages leave the kernel: read, re-rotate, score here
+            sp = self._sink_pages()
+            n_sink = sp * pg.page_size
+            sk = gather_pages(pg.k, bt[:, :sp], layer)  # [B, K, n_sink, E]
+            sv = gather_pages(pg.v, bt[:, :sp], layer)
+            sk = rope(sk, jnp.broadcast_to(shift[:, None, None], sk.shape[:3]), rope_theta)
+            s_ok = jnp.repeat((bt[:, :sp] >= 0) & (bt[:, :sp] < pg.num_pages), pg.page_size, 1)
+            s_ok = s_ok & (jnp.arange(n_sink)[None, :] < pg.lengths[:, None])  # [B, n_sink]
+            xk = jnp.concatenate([sk, xk], axis=2)  # [B, K, X, E]
+            xv = jnp.concatenate([sv, xv], axis=2)
+            x_ok = jnp.concatenate([s_ok, x_ok], axis=1)
+            bt = bt.at[:, :sp].set(NO_PAGE)
+        s_x = jnp.einsum("BKGE,BKXE->BKGX", qg, xk) * (E**-0.5)  # [B, K, G, X]
+        s_x = jnp.where(x_ok[:, None, None, :], s_x, -jnp.inf)
+        lse_x = jax.nn.logsumexp(s_x, axis=-1)  # [B, K, G]
+        outs = paged_attention(
+            q[:, 0], pg.k, pg.v, bt, pg.lengths, layer=layer, extra_lse=lse_x.reshape(B, H),
+            return_lse=True, return_mass=self.layout.probs, num_splits=self.layout.num_splits,
+            interpret=self.interpret,
+        )
+        o, lse = outs[0], outs[-1]  # [B, H, E], [B, H]
+        p_x = jnp.exp(s_x - lse.reshape(B, K, G)[..., None])  # [B, K, G, X]
+        out = o.reshape(B, K, G, E).astype(jnp.float32)
+        out = out + jnp.einsum("BKGX,BKXE->BKGE", p_x, xv)  # [B, K, G, E]
+        out = out.reshape(B, 1, H, E).astype(q.dtype)
+        if not self.layout.probs:
+            return out, None
+        q_ok = (pos_new >= 0)[:, None, :, None]  # [B, 1, 1, 1]
+        mass = outs[1].at[:, :, :n_sink].add(p_x[..., :n_sink].sum(axis=2))  # [B, K, N]
+        probs = jnp.concatenate([mass, p_x[..., -1].sum(axis=2)[..., None]], axis=-1)
+        return out, jnp.where(q_ok, probs[:, :, None, :], 0.0)  # [B, K, 1, N + 1]
+
+    def update(self, view: PagedView, k, v, pos_new, probs, rope_theta: float):
+        """What to store: keys rotated at their absolute positions, and values."""
+        return rope(k, pos_new[:, :, None], rope_theta), v
+
+    def store(self, layer, update, pos_new) -> PagedCache:
+        """Write one layer's chunk into its reserved pages (inside the write-only scan)."""
+        k, v = update
+        with jax.named_scope("cache_update"):
+            t = jnp.arange(k.shape[1])[None, :]
+            stored = (t < self.granted[:, None])[:, :, None, None]  # [B, T, 1, 1]
+            bad = ~jnp.all(jnp.where(stored, jnp.isfinite(k) & jnp.isfinite(v), True))
+            keep = self._keep(self.pages.lengths + self.granted)
+            pages = write(self.pages, layer, k, v, self.granted, keep)
+            return self.replace(
+                pages=pages, nonfinite=self.nonfinite.at[layer].set(self.nonfinite[layer] | bad)
+            )
+
+    def finish(self, n_valid) -> PagedCache:
+        """Count the stored tokens, then evict the pages the rule no longer keeps."""
+        with jax.named_scope("page_evict"):
+            pages = advance(self.pages, self.granted)
+            if self.rule is not None:
+                pages = window_evict(pages, *self.rule)
+        return self.replace(pages=pages, granted=jnp.zeros_like(self.granted))
+
+
 __all__ = [
+    "IMPLS",
     "KINDS",
     "NO_PAGE",
+    "PAGED_FORMATS",
+    "PAGED_POLICIES",
     "VALID_PAGE_SIZES",
     "OutOfPagesError",
+    "PagedCache",
     "PagedCacheError",
     "PagedKVCache",
+    "PagedLayout",
     "advance",
     "append",
     "attend",
     "check",
     "evict_pages",
+    "eviction_rule",
     "free",
     "gather",
     "invariant_errors",
     "memory_stats",
+    "page_kind",
     "pages_needed",
     "reserve",
     "share_prefix",
     "window_evict",
+    "window_pages",
     "write",
 ]
