@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-POLICIES: dict[str, type["Policy"]] = {}
+POLICIES: dict[str, type[Policy]] = {}
 
 NEVER = jnp.inf  # score of a protected slot: never a victim
 FIRST = -jnp.inf  # score of an empty slot: filled before anything is evicted

@@ -16,7 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.policies.base import (
-    Evicting, broadcast_new, check_choice, check_counts, evict, register, scatter_slots,
+    Evicting,
+    broadcast_new,
+    check_choice,
+    check_counts,
+    evict,
+    register,
+    scatter_slots,
 )
 
 USED_BY = ("threshold", "topk")

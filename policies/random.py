@@ -44,7 +44,7 @@ class Random(Evicting):
         check_counts(self, seed=(self.seed, 0))
 
     def update(self, view, k_new, v_new, pos_new, probs):
-        B, K, C = view.pos.shape
+        K = view.pos.shape[1]
         step = jnp.maximum(jnp.max(pos_new, axis=-1), view.length - 1)[:, None, None]  # [B, 1, 1]
         head = jnp.arange(K)[None, :, None]
         pn = broadcast_new(pos_new, K)  # [B, K, T]

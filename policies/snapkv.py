@@ -22,7 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.policies.base import (
-    Policy, broadcast_new, check_choice, check_counts, evict, rebuild, register,
+    Policy,
+    broadcast_new,
+    check_choice,
+    check_counts,
+    evict,
+    rebuild,
+    register,
 )
 
 POOLS = ("max", "avg")

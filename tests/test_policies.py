@@ -35,16 +35,16 @@ T = 3  # chunk size of the property test
 
 CASES = [
     ("window", {}),
-    ("streaming", dict(n_sink=2)),
-    ("streaming", dict(n_sink=1, rope="original")),
-    ("h2o", dict(n_sink=1, window=3)),
-    ("tova", dict(window=1)),
-    ("tova", dict(per_head=True)),
-    ("lru", dict(n_sink=2, window=3)),
-    ("lru", dict(n_sink=1, window=2, used_by="topk", top_k=3)),
-    ("knorm", dict(n_sink=1, window=2)),
-    ("random", dict(seed=3, n_sink=1, window=2)),
-    ("snapkv", dict(window=3, kernel=3)),
+    ("streaming", {"n_sink": 2}),
+    ("streaming", {"n_sink": 1, "rope": "original"}),
+    ("h2o", {"n_sink": 1, "window": 3}),
+    ("tova", {"window": 1}),
+    ("tova", {"per_head": True}),
+    ("lru", {"n_sink": 2, "window": 3}),
+    ("lru", {"n_sink": 1, "window": 2, "used_by": "topk", "top_k": 3}),
+    ("knorm", {"n_sink": 1, "window": 2}),
+    ("random", {"seed": 3, "n_sink": 1, "window": 2}),
+    ("snapkv", {"window": 3, "kernel": 3}),
 ]
 IDS = [f"{n}-{i}" for i, (n, _) in enumerate(CASES)]
 
@@ -147,7 +147,7 @@ def test_budget_covering_the_sequence_gives_full_logits(name, opts):
 
 def test_rows_evict_independently():
     """Swapping the rows of a batch swaps the results: each row evicts by its own attention."""
-    for name, opts in [("h2o", dict(n_sink=1, window=3)), ("lru", dict(n_sink=2, window=3))]:
+    for name, opts in [("h2o", {"n_sink": 1, "window": 3}), ("lru", {"n_sink": 2, "window": 3})]:
         policy = get_policy(name, budget=C, **opts)
         rng = np.random.default_rng(0)
         toks = rng.integers(0, CFG.vocab_size, size=(8, 2, T))
@@ -199,7 +199,7 @@ def test_streaming_rope_positions_by_hand():
 
 
 @pytest.mark.parametrize("name,opts", [
-    ("streaming", dict(n_sink=2)), ("h2o", dict(window=3)), ("snapkv", dict(window=3)),
+    ("streaming", {"n_sink": 2}), ("h2o", {"window": 3}), ("snapkv", {"window": 3}),
 ])
 def test_decode_step_compiles_once(name, opts):
     """generate.decode_step over many evicting steps: one compile (two for SnapKV: prefill
@@ -281,15 +281,15 @@ def test_budget_above_max_length_fails_before_allocating():
 
 
 @pytest.mark.parametrize("name,opts,match", [
-    ("streaming", dict(rope="yarn"), r"rope='yarn' is not one of \('cache', 'original'\)"),
-    ("snapkv", dict(pool="median"), r"pool='median' is not one of"),
-    ("snapkv", dict(kernel=4), r"kernel must be odd"),
-    ("snapkv", dict(window=0), r"window must be an integer >= 1, got 0"),
-    ("lru", dict(used_by="recency"), r"used_by='recency' is not one of"),
-    ("lru", dict(threshold=1.5), r"threshold must be in \[0, 1\), got 1.5"),
-    ("lru", dict(top_k=0), r"top_k must be an integer >= 1"),
-    ("h2o", dict(window=-1), r"window must be an integer >= 0, got -1"),
-    ("random", dict(seed=-1), r"seed must be an integer >= 0"),
+    ("streaming", {"rope": "yarn"}, r"rope='yarn' is not one of \('cache', 'original'\)"),
+    ("snapkv", {"pool": "median"}, r"pool='median' is not one of"),
+    ("snapkv", {"kernel": 4}, r"kernel must be odd"),
+    ("snapkv", {"window": 0}, r"window must be an integer >= 1, got 0"),
+    ("lru", {"used_by": "recency"}, r"used_by='recency' is not one of"),
+    ("lru", {"threshold": 1.5}, r"threshold must be in \[0, 1\), got 1.5"),
+    ("lru", {"top_k": 0}, r"top_k must be an integer >= 1"),
+    ("h2o", {"window": -1}, r"window must be an integer >= 0, got -1"),
+    ("random", {"seed": -1}, r"seed must be an integer >= 0"),
 ])
 def test_bad_hyperparameters(name, opts, match):
     with pytest.raises(ValueError, match=match):

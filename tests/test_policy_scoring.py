@@ -67,31 +67,34 @@ def reference(kind, A, keys, chunks, C, n_sink=0, window=0, **opts):
                         state[k][j] = max(state[k][j], i)
             kept[k] = kept[k] + list(chunk)
 
-        def score(k, j):
-            if kind in ("h2o", "lru"):
-                return state[k][j]
-            if kind == "knorm":  # higher norm = lower score
-                return -float(np.sum(keys[j, k].astype(np.float64) ** 2))
-            if kind == "tova":  # the current (last) query's attention
-                if opts.get("per_head"):
-                    return np.float32(A[k, t_last, j])
-                total = np.float32(0.0)
-                for h in range(K):
-                    total = np.float32(total + np.float32(A[h, t_last, j]))
-                return np.float32(total / np.float32(K))
-            raise ValueError(kind)
-
         for k in range(K):
             while len(kept[k]) > C:
                 cands = [j for j in kept[k] if not _protected(j, t_last, n_sink, window)]
-                victim = min(cands, key=lambda j: (score(k, j), j))
+                scores = {j: _score(kind, A, keys, state, k, j, t_last, **opts) for j in cands}
+                victim = min(cands, key=lambda j: (scores[j], j))
                 kept[k].remove(victim)
                 state[k].pop(victim, None)
         out.append([sorted(h) for h in kept])
     return out
 
 
-def _lru_used(row, used_by="threshold", threshold=0.0, top_k=1):
+def _score(kind, A, keys, state, k, j, t_last, per_head=False, **_):
+    """The reference's keep score of position j in head k (higher = keep)."""
+    if kind in ("h2o", "lru"):
+        return state[k][j]
+    if kind == "knorm":  # higher norm = lower score
+        return -float(np.sum(keys[j, k].astype(np.float64) ** 2))
+    if kind == "tova":  # the current (last) query's attention
+        if per_head:
+            return np.float32(A[k, t_last, j])
+        total = np.float32(0.0)
+        for h in range(A.shape[0]):
+            total = np.float32(total + np.float32(A[h, t_last, j]))
+        return np.float32(total / np.float32(A.shape[0]))
+    raise ValueError(kind)
+
+
+def _lru_used(row, used_by="threshold", threshold=0.0, top_k=1, **_):
     """Keys a query uses: share of its row above the threshold, or among its top_k."""
     if used_by == "threshold":
         total = sum(float(a) for a in row.values())
@@ -199,14 +202,14 @@ def synthetic(rng, B, K, N, E):
 
 
 CASES = [
-    ("h2o", dict(n_sink=0, window=2)),
-    ("h2o", dict(n_sink=1, window=3)),
-    ("tova", dict()),
-    ("tova", dict(window=1, per_head=True)),
-    ("lru", dict(n_sink=1, window=2, used_by="threshold", threshold=0.123)),
-    ("lru", dict(n_sink=1, window=1, used_by="topk", top_k=3)),
-    ("knorm", dict()),
-    ("knorm", dict(n_sink=1, window=1)),
+    ("h2o", {"n_sink": 0, "window": 2}),
+    ("h2o", {"n_sink": 1, "window": 3}),
+    ("tova", {}),
+    ("tova", {"window": 1, "per_head": True}),
+    ("lru", {"n_sink": 1, "window": 2, "used_by": "threshold", "threshold": 0.123}),
+    ("lru", {"n_sink": 1, "window": 1, "used_by": "topk", "top_k": 3}),
+    ("knorm", {}),
+    ("knorm", {"n_sink": 1, "window": 1}),
 ]
 
 
@@ -323,7 +326,7 @@ def run_recorded(policy, n_tokens, lengths=None, seed=0):
 def replay(records, L, layer, b):
     """Attention rows A [K, N, N] (NaN where never observed) and keys [N, K, E] of one row."""
     steps = records[layer::L]
-    pos0, probs0, _, k0 = steps[0]
+    pos0, _probs0, _, k0 = steps[0]
     K, C = pos0.shape[1], pos0.shape[2]
     N = len(steps)
     A = np.full((K, N, N), np.nan, np.float32)
@@ -344,10 +347,10 @@ def replay(records, L, layer, b):
 
 
 @pytest.mark.parametrize("name,opts", [
-    ("h2o", dict(window=2)),
-    ("tova", dict()),
-    ("lru", dict(n_sink=1, window=2, used_by="topk", top_k=3)),
-    ("knorm", dict(window=1)),
+    ("h2o", {"window": 2}),
+    ("tova", {}),
+    ("lru", {"n_sink": 1, "window": 2, "used_by": "topk", "top_k": 3}),
+    ("knorm", {"window": 1}),
 ])
 def test_end_to_end_through_the_model(name, opts):
     """The model's own attention rows (recorded) replayed through the reference, per layer."""
