@@ -30,6 +30,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter, LogLocator
 
 from kvjax.results import ResultsStore, summary_row
 
@@ -66,6 +67,14 @@ def select(records: list[dict], sweep: str | None = None, where: list[str] = ())
         if all(str(lookup(r["point"], k)) == v for k, v in conds):
             latest[r["key"]] = r
     return list(latest.values())
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def marker_for(fmt: str, seen: dict) -> str:
@@ -126,6 +135,9 @@ def pareto_figure(records: list[dict], task: str):
         handles.append(Line2D([], [], linestyle="none", marker=marker_for(f, extra),
                               color="black", label=f"format {f}"))
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=2))  # ticks at 1, 2, 4, ... KiB/MiB
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v)))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax.set_xlabel("KV cache bytes per sequence (measured, k+v with scales)")
     ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
     ax.set_title(f"{task}: {metric} vs cache memory")

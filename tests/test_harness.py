@@ -77,6 +77,7 @@ def test_every_task_and_policy_config_composes():
     assert {"full", "window"} <= set(names)
     for name in names:
         assert spec_of(f"policy={name}").policy == name
+    assert spec_of("+experiment=pareto").sweep == "pareto"
 
 
 @pytest.mark.parametrize("override, words", [

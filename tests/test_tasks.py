@@ -184,3 +184,9 @@ def test_progress_bar_is_quiet_without_a_terminal(tiny):
     assert bar(range(3), ctx, "x").disable  # pytest captures stderr: not a TTY
     assert not bar(range(3), dataclasses.replace(ctx, progress=True), "x").disable
     assert bar(range(3), dataclasses.replace(ctx, progress=False), "x").disable
+
+
+def test_prefill_only_policy_is_compressed_after_the_prompt(tiny):
+    ctx = ctx_for(tiny, "snapkv", max_len=420, budget=48, window=16)
+    res = get_task("passkey", length=400, n_samples=1, new_tokens=8, chunk=128).run(ctx)
+    assert res.cache.capacity == 48  # compress ran between prefill and decode
