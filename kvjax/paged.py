@@ -729,14 +729,44 @@ class PagedCache:
         return ln - held
 
     def _sink_pages(self) -> int:
-        return _cdiv(self.rule[1], self.pages.page_size)
+        return _cdiv(self.rule[1], self.pages.page_size) if self.rule else 0
+
+    def held_table(self, sinks: bool = True):
+        """The table slots attention reads, compacted to what the rule can hold.
+
+        Returns (table [B, R] page ids, n [B] tokens, start [B, R] position of each slot's first
+        token): token c of the compact table is token c % page of page table[b, c // page], and
+        tokens c < n[b] are exactly the row's held tokens in position order. Without eviction
+        this is the block table (R = M). With a window rule it is the sink slots (when `sinks`)
+        followed by R_w = (W - 1) // page + 2 slots from the first recent page, so attention
+        reads O(W) tokens, not O(length).
+        """
+        pg = self.pages
+        page, M = pg.page_size, pg.max_pages
+        bt, ln = pg.block_tables, pg.lengths
+        if self.rule is None:
+            return bt, ln, jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32) * page, bt.shape)
+        window, _ = self.rule
+        sp = self._sink_pages()
+        rw = min(M, (window - 1) // page + 2)
+        j0 = jnp.clip(jnp.maximum(sp, (ln - window) // page), 0, M)  # [B] first recent page
+        jr = j0[:, None] + jnp.arange(rw, dtype=jnp.int32)[None, :]  # [B, R_w]
+        table = jnp.where(jr < M, jnp.take_along_axis(bt, jnp.clip(jr, 0, M - 1), 1), NO_PAGE)
+        n = jnp.clip(ln - j0 * page, 0, rw * page)  # [B] tokens in the recent slots
+        start = jr * page
+        if sinks and sp:
+            table = jnp.concatenate([bt[:, :sp], table], axis=1)  # [B, sp + R_w]
+            n = jnp.minimum(ln, sp * page) + n
+            start = jnp.concatenate([jnp.broadcast_to(jnp.arange(sp) * page, (ln.shape[0], sp)),
+                                     start], axis=1).astype(jnp.int32)
+        return table, n, start
 
     def attend(self, view: PagedView, q, k, v, pos_new, rope_theta: float):
         """Attention of a chunk over the held pages plus the chunk itself (causal).
 
         q [B, T, H, E], k, v [B, T, K, E] unrotated; pos_new [B, T] (-1 = padding). Returns
-        out [B, T, H, E] and probs [B, K, T, M*page + T] (pages in token order, then the chunk;
-        None unless the layout asks for them on the kernel path).
+        out [B, T, H, E] and probs [B, K, T, R*page + T]: the tokens of `held_table()`, then
+        the chunk (on the kernel path None unless the layout sets probs=True).
         """
         q = rope(q, pos_new[:, :, None], rope_theta)  # [B, T, H, E]
         k = rope(k, pos_new[:, :, None], rope_theta)  # [B, T, K, E]
@@ -746,20 +776,27 @@ class PagedCache:
         return self._attend_gathered(view.layer, q, k, v, pos_new, shift, rope_theta)
 
     def _attend_gathered(self, layer, q, k, v, pos_new, shift, rope_theta):
-        """Reference path: gather the layer's pages densely, then `kvjax.attention.attention`."""
-        k_c, v_c, valid = gather(self.pages, layer)  # [B, K, N, E] x2, [B, N]
+        """Reference path: gather the held pages densely, then `kvjax.attention.attention`."""
+        pg = self.pages
+        table, n, start = self.held_table()  # [B, R], [B], [B, R]
+        k_c = gather_pages(pg.k, table, layer)  # [B, K, N, E], N = R * page
+        v_c = gather_pages(pg.v, table, layer)
         B, K, N, _ = k_c.shape
-        if shift is not None:
-            n = min(N, self._sink_pages() * self.pages.page_size)
-            sk = rope(k_c[:, :, :n], jnp.broadcast_to(shift[:, None, None], (B, K, n)), rope_theta)
-            k_c = k_c.at[:, :, :n].set(sk)
-        pos_c = jnp.where(valid, jnp.arange(N, dtype=jnp.int32)[None, :], -1)  # [B, N]
-        pos_c = jnp.broadcast_to(pos_c[:, None, :], (B, K, N))  # [B, K, N]
+        c = jnp.arange(N, dtype=jnp.int32)
+        ok = jnp.repeat((table >= 0) & (table < pg.num_pages), pg.page_size, axis=1)  # [B, N]
+        ok = ok & (c[None, :] < n[:, None])
+        pos_c = jnp.repeat(start, pg.page_size, axis=1) + c % pg.page_size  # [B, N]
+        pos_c = jnp.broadcast_to(jnp.where(ok, pos_c, -1)[:, None, :], (B, K, N))  # [B, K, N]
+        if shift is not None:  # sink pages: keys re-rotated by the evicted count
+            ns = self._sink_pages() * pg.page_size
+            sk = rope(k_c[:, :, :ns], jnp.broadcast_to(shift[:, None, None], (B, K, ns)),
+                      rope_theta)
+            k_c = k_c.at[:, :, :ns].set(sk)
         return attention(q, k, v, pos_new, k_c, v_c, pos_c)
 
     def _attend_kernel(self, layer, q, k, v, pos_new, shift, rope_theta):
-        """Decode path: the Pallas kernel over the pool, merged with the token itself (and, for
-        re-rotated sinks, the sink pages) through the kernel's log-sum-exp."""
+        """Decode path: the Pallas kernel over the held pages, merged with the token itself
+        (and, for re-rotated sinks, the sink pages) through the kernel's log-sum-exp."""
         pg = self.pages
         B, _, H, E = q.shape
         K = k.shape[2]
@@ -768,25 +805,25 @@ class PagedCache:
         xk = jnp.swapaxes(k, 1, 2).astype(jnp.float32)  # [B, K, 1, E] extra keys: the token
         xv = jnp.swapaxes(v, 1, 2).astype(jnp.float32)  # [B, K, 1, E]
         x_ok = jnp.ones((B, 1), bool)  # [B, X]
-        bt = pg.block_tables
+        table, n, _ = self.held_table(sinks=shift is None)  # [B, R], [B]
         n_sink = 0
         if shift is not None:  # sink pages leave the kernel: read, re-rotate, score here
             sp = self._sink_pages()
             n_sink = sp * pg.page_size
-            sk = gather_pages(pg.k, bt[:, :sp], layer)  # [B, K, n_sink, E]
-            sv = gather_pages(pg.v, bt[:, :sp], layer)
+            bt = pg.block_tables[:, :sp]  # [B, sp]
+            sk = gather_pages(pg.k, bt, layer)  # [B, K, n_sink, E]
+            sv = gather_pages(pg.v, bt, layer)
             sk = rope(sk, jnp.broadcast_to(shift[:, None, None], sk.shape[:3]), rope_theta)
-            s_ok = jnp.repeat((bt[:, :sp] >= 0) & (bt[:, :sp] < pg.num_pages), pg.page_size, 1)
+            s_ok = jnp.repeat((bt >= 0) & (bt < pg.num_pages), pg.page_size, axis=1)
             s_ok = s_ok & (jnp.arange(n_sink)[None, :] < pg.lengths[:, None])  # [B, n_sink]
             xk = jnp.concatenate([sk, xk], axis=2)  # [B, K, X, E]
             xv = jnp.concatenate([sv, xv], axis=2)
             x_ok = jnp.concatenate([s_ok, x_ok], axis=1)
-            bt = bt.at[:, :sp].set(NO_PAGE)
         s_x = jnp.einsum("BKGE,BKXE->BKGX", qg, xk) * (E**-0.5)  # [B, K, G, X]
         s_x = jnp.where(x_ok[:, None, None, :], s_x, -jnp.inf)
         lse_x = jax.nn.logsumexp(s_x, axis=-1)  # [B, K, G]
         outs = paged_attention(
-            q[:, 0], pg.k, pg.v, bt, pg.lengths, layer=layer, extra_lse=lse_x.reshape(B, H),
+            q[:, 0], pg.k, pg.v, table, n, layer=layer, extra_lse=lse_x.reshape(B, H),
             return_lse=True, return_mass=self.layout.probs, num_splits=self.layout.num_splits,
             interpret=self.interpret,
         )
@@ -798,8 +835,8 @@ class PagedCache:
         if not self.layout.probs:
             return out, None
         q_ok = (pos_new >= 0)[:, None, :, None]  # [B, 1, 1, 1]
-        mass = outs[1].at[:, :, :n_sink].add(p_x[..., :n_sink].sum(axis=2))  # [B, K, N]
-        probs = jnp.concatenate([mass, p_x[..., -1].sum(axis=2)[..., None]], axis=-1)
+        p_x = p_x.sum(axis=2)  # [B, K, X]
+        probs = jnp.concatenate([p_x[..., :n_sink], outs[1], p_x[..., -1:]], axis=-1)
         return out, jnp.where(q_ok, probs[:, :, None, :], 0.0)  # [B, K, 1, N + 1]
 
     def update(self, view: PagedView, k, v, pos_new, probs, rope_theta: float):
