@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, init_cache
 from kvjax.config import ModelConfig
 from kvjax.model import forward
 
@@ -84,11 +84,14 @@ def sample(logits, key, temperature: float = 0.0, top_p: float = 1.0):
 
 def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              policy, fmt, *, max_len: int | None = None, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, prefill_chunk_size: int | None = None):
-    """Generate `max_new_tokens` per prompt. Returns (tokens [B, N] numpy, final cache)."""
+             top_p: float = 1.0, seed: int = 0, prefill_chunk_size: int | None = None,
+             layout=None):
+    """Generate `max_new_tokens` per prompt. Returns (tokens [B, N] numpy, final cache).
+
+    layout: a cache layout (`kvjax.cache.get_layout(...)`) or its name; default dense."""
     max_len = cfg.max_seq_len if max_len is None else max_len
     check_fits([len(p) for p in prompts], max_new_tokens, max_len)
-    cache = KVCache.init(cfg, len(prompts), policy, fmt, max_len)
+    cache = init_cache(cfg, len(prompts), policy, fmt, max_len, layout)
     logits, cache = prefill(params, prompts, cache, cfg, prefill_chunk_size)
     key = jax.random.PRNGKey(seed)
     out = []
