@@ -7,7 +7,8 @@
 The caches are filled synthetically (random keys and values, positions and lengths as if the
 tokens had been decoded, so every measured step evicts), then each configuration runs
 `generate.decode_step` in interleaved rounds; the figures are the median and the 10th
-percentile of the per-step times (the low percentile is the least disturbed by other load).
+percentile of the per-step wall times and the median CPU time of this process per step (the
+work done: the figure least disturbed by other load on a shared machine).
 
     python -m experiments.bench_policies                       # SmolLM2-135M, f32, CPU
     python -m experiments.bench_policies --model mid --rounds 3  # random mid-size config
@@ -85,18 +86,21 @@ def _noise(key, s):
     return jnp.zeros(s.shape, s.dtype)
 
 
-def time_steps(params, cfg, cache, steps: int) -> list[float]:
-    """Seconds of each of `steps` decode steps (after one untimed step)."""
+def time_steps(params, cfg, cache, steps: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU seconds (all threads of this process) of each of `steps` decode steps,
+    after one untimed step. CPU time counts the work done, so it is the figure least moved by
+    other processes competing for the cores."""
     tok = jnp.zeros((1,), jnp.int32)
     logits, cache = decode_step(params, tok, cache, cfg)
     logits.block_until_ready()
-    out = []
+    wall, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logits, cache = decode_step(params, tok, cache, cfg)
         logits.block_until_ready()
-        out.append(time.perf_counter() - t0)
-    return out
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu
 
 
 def policy_only(cfg: ModelConfig, policy, C: int, seen: int, reps: int = 200) -> float:
@@ -171,17 +175,22 @@ def main(argv=None):
         t0 = time.perf_counter()
         time_steps(params, cfg, filled(cfg, c, fmt), 1)
         print(f"# compiled {c.label:14s} ({time.perf_counter() - t0:.1f} s)", flush=True)
-    times = {c.label: [] for c in todo}
+    wall = {c.label: [] for c in todo}
+    cpu = {c.label: [] for c in todo}
     for _ in range(args.rounds):
         for c in todo:
-            times[c.label] += time_steps(params, cfg, filled(cfg, c, fmt), args.steps)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    low = {k: float(np.percentile(v, 10)) for k, v in times.items()}
+            w, u = time_steps(params, cfg, filled(cfg, c, fmt), args.steps)
+            wall[c.label] += w
+            cpu[c.label] += u
+    med = {k: statistics.median(v) for k, v in wall.items()}
+    low = {k: float(np.percentile(v, 10)) for k, v in wall.items()}
+    work = {k: statistics.median(v) for k, v in cpu.items()}
 
     print(f"\nmodel={cfg.name} budget={args.budget} backend={jax.default_backend()} "
           f"steps={args.steps} rounds={args.rounds}")
-    print("| configuration | capacity | tokens seen | ms/step median | p10 | ratio (median, p10) |")
-    print("|---|---:|---:|---:|---:|---|")
+    print("| configuration | capacity | tokens seen | wall ms/step median | wall p10 | "
+          "CPU ms/step median | ratio: wall median, wall p10, CPU |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for c in todo:
         ref = None
         if c.label.startswith("full @"):
@@ -192,9 +201,11 @@ def main(argv=None):
             ref = "full C=budget"
         ratio = ""
         if ref in med:
-            ratio = f"{med[c.label] / med[ref]:.2f}x, {low[c.label] / low[ref]:.2f}x vs {ref}"
+            ratio = (f"{med[c.label] / med[ref]:.2f}x, {low[c.label] / low[ref]:.2f}x, "
+                     f"{work[c.label] / work[ref]:.2f}x vs {ref}")
         print(f"| {c.label} | {c.policy.capacity(c.max_len)} | {c.seen} | "
-              f"{1e3 * med[c.label]:.1f} | {1e3 * low[c.label]:.1f} | {ratio} |")
+              f"{1e3 * med[c.label]:.1f} | {1e3 * low[c.label]:.1f} | {1e3 * work[c.label]:.1f} | "
+              f"{ratio} |")
 
     print(f"\npolicy work alone per decode step ({cfg.n_layers} layers, C={args.budget}):")
     print("| policy | ms/step | share of the full step (median) |")

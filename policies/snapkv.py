@@ -7,7 +7,8 @@ attention those `window` queries gave it (summed over them and over the kv group
 heads), pools the scores along positions with a 1-D `pool` ("max" or "avg", size `kernel`,
 stride 1, same length; avg counts the padding as zeros, max ignores it, as torch does), keeps
 the budget - window best per kv head plus the whole window, and returns a cache of capacity
-`budget`. Ties in the pooled score keep the earlier position.
+`budget`. Ties in the pooled score keep the later position (the older token goes first, as in
+every kvjax policy).
 
 Decode after compress: the selected prompt tokens are pinned; the observation window and the
 generated tokens form a sliding window over the remaining slots (the oldest unpinned token is
@@ -118,7 +119,7 @@ class SnapKV(Policy):
         score = pool_1d(jnp.sum(view.stats["obs"], axis=-1), prefix, self.kernel, self.pool)
         key = jnp.where(prefix, -score, jnp.inf)  # lower = better
         idx = jnp.broadcast_to(jnp.arange(C0, dtype=jnp.int32), view.pos.shape)
-        order = jax.lax.sort((key, view.pos, idx), dimension=-1, num_keys=3)[2]  # [B, K, C0]
+        order = jax.lax.sort((key, -view.pos, idx), dimension=-1, num_keys=3)[2]  # [B, K, C0]
         rank = jnp.zeros_like(idx).at[
             jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], order].set(idx)
         chosen = prefix & (rank < Cb - W)

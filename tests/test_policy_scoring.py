@@ -116,7 +116,7 @@ def snapkv_reference(A, n, budget, window, kernel, pool):
             pooled = [max(obs[max(0, j - r):j + r + 1]) for j in range(start)]
         else:
             pooled = [sum(obs[max(0, j - r):j + r + 1]) / kernel for j in range(start)]
-        chosen = sorted(range(start), key=lambda j: (-pooled[j], j))[:max(0, budget - window)]
+        chosen = sorted(range(start), key=lambda j: (-pooled[j], -j))[:max(0, budget - window)]
         out.append(sorted(chosen + list(range(start, n))))
     return out
 
