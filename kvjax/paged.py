@@ -250,13 +250,14 @@ def _check_reserve(cache: PagedKVCache, n_new, keep=None) -> None:
         )
 
 
-def reserve(cache: PagedKVCache, n_new, keep=None) -> tuple[PagedKVCache, jax.Array]:
+def reserve(cache: PagedKVCache, n_new, keep=None, defer_copy: bool = False):
     """Allocate pages so row b can take n_new[b] tokens; copy-on-write shared partial pages.
 
     keep [B, M] (optional): only these table slots get pages; tokens landing elsewhere are not
     stored (pass the same mask to `write`). Returns (cache, granted [B]): granted[b] = n_new[b],
     or 0 for a row preempted under jit (eagerly, running out raises `OutOfPagesError` before
-    any work).
+    any work). defer_copy: do not copy the copy-on-write pages; return (cache, granted,
+    (src [B], dst [B])) instead (P = no copy) for the caller to copy per layer (`copy_pages`).
     """
     n_new = jnp.broadcast_to(jnp.asarray(n_new, jnp.int32), cache.lengths.shape)
     if not _is_traced(cache, n_new, keep):
@@ -284,6 +285,12 @@ def reserve(cache: PagedKVCache, n_new, keep=None) -> tuple[PagedKVCache, jax.Ar
     refcount = refcount.at[src].add(-1, mode="drop")
     tables = jnp.where(req, new_ids, old)
 
+    granted = jnp.where(ok, n_new, 0)
+    preempted = cache.preempted | ((n_new > 0) & ~ok)
+    cache = cache.replace(block_tables=tables, refcount=refcount, preempted=preempted)
+    if defer_copy:
+        return cache, granted, (src, dst)
+
     def copy(store):
         return jax.tree.map(
             lambda x: x.at[:, :, dst].set(x[:, :, jnp.clip(src, 0, P - 1)], mode="drop"), store
@@ -292,11 +299,20 @@ def reserve(cache: PagedKVCache, n_new, keep=None) -> tuple[PagedKVCache, jax.Ar
     k, v = jax.lax.cond(
         jnp.any(cow), lambda kv: (copy(kv[0]), copy(kv[1])), lambda kv: kv, (cache.k, cache.v)
     )
-    granted = jnp.where(ok, n_new, 0)
-    preempted = cache.preempted | ((n_new > 0) & ~ok)
-    return cache.replace(
-        k=k, v=v, block_tables=tables, refcount=refcount, preempted=preempted
-    ), granted
+    return cache.replace(k=k, v=v), granted
+
+
+def copy_pages(cache: PagedKVCache, layer, src, dst) -> PagedKVCache:
+    """Copy page src[b] to page dst[b] in one layer's k and v pools (dst = P: no copy)."""
+    P = cache.num_pages
+
+    def copy(store):
+        return jax.tree.map(
+            lambda x: x.at[layer, :, dst].set(x[layer, :, jnp.clip(src, 0, P - 1)], mode="drop"),
+            store,
+        )
+
+    return cache.replace(k=copy(cache.k), v=copy(cache.v))
 
 
 def write(cache: PagedKVCache, layer, k_new, v_new, granted=None, keep=None) -> PagedKVCache:
@@ -432,6 +448,11 @@ def evict_pages(cache: PagedKVCache, drop) -> PagedKVCache:
     """Page-granular eviction: drop [B, M] table entries (tokens there are no longer attended;
     lengths and positions of the remaining tokens do not change)."""
     return _release(cache, jnp.asarray(drop, bool))
+
+
+def window_span(window: int, page: int) -> int:
+    """The most pages `window` consecutive tokens can touch."""
+    return (window + page - 2) // page + 1
 
 
 def window_pages(lengths, max_pages: int, page: int, window: int, sinks: int = 0):
@@ -590,14 +611,14 @@ class PagedLayout:
 
     def pages_per_row(self, policy, max_len: int) -> int:
         """Pages one row can hold at once: all of max_len without eviction; with a window W and
-        sinks S, the sink pages plus the pages a W-token window spans before and after a chunk
-        (a chunk longer than W stores only its last W tokens)."""
+        sinks S, the sink pages plus the pages W consecutive tokens can span, whatever the
+        chunk size (pages a chunk pushes out are reused within the same call)."""
         M = _cdiv(max_len, self.page_size)
         rule = eviction_rule(policy)
         if rule is None:
             return M
         window, sinks = rule
-        return min(M, _cdiv(sinks, self.page_size) + (2 * window - 1) // self.page_size + 2)
+        return min(M, _cdiv(sinks, self.page_size) + window_span(window, self.page_size))
 
     def init(self, cfg, batch: int, policy, fmt, max_len: int | None = None) -> PagedCache:
         """An empty paged cache for `batch` rows of up to `max_len` tokens."""
@@ -611,7 +632,9 @@ class PagedLayout:
         )
         return PagedCache(
             pages=pages,
+            read_tables=pages.block_tables,
             granted=jnp.zeros((batch,), jnp.int32),
+            cow=jnp.full((2, batch), n, jnp.int32),
             nonfinite=jnp.zeros((cfg.n_layers,), bool),
             policy=policy,
             fmt=fmt,
@@ -636,9 +659,11 @@ class PagedView:
 class PagedCache:
     """A `PagedKVCache` driven by the model through the cache protocol.
 
-    Per forward call: `begin` reserves pages for the chunk (once, outside the layer scans);
-    per layer, `attend` reads the pool and `update` returns the keys and values to store; a
-    second scan `store`s them; `finish` advances the lengths and evicts pages.
+    Per forward call: `begin` (once, outside the layer scans) releases the pages the rule drops
+    once the chunk is in and reserves pages for the chunk's kept tokens; per layer, `attend`
+    reads the pool through the tables as they were before `begin` and `update` returns the keys
+    and values to store; a second scan `store`s them (copy-on-write copies first); `finish`
+    advances the lengths.
 
     Eviction rule (window W = budget, sinks 0; streaming W = budget - n_sink, sinks = n_sink):
     after each forward call a row keeps the pages holding its first `sinks` tokens and every
@@ -647,10 +672,13 @@ class PagedCache:
     kept are never stored. Keys are stored rotated at their absolute positions; for streaming
     with rope="cache" the sink pages' keys are re-rotated by the evicted count when read
     (RoPE scores depend only on position differences, so the other keys need no change).
+    A preempted row (pool too small) may also have lost its oldest window pages.
     """
 
     pages: PagedKVCache
+    read_tables: jax.Array  # [B, M] the block tables attention reads this call (before `begin`)
     granted: jax.Array  # [B] tokens this forward call stores per row (set by `begin`)
+    cow: jax.Array  # [2, B] copy-on-write page pairs (src, dst; P = none) `store` copies
     nonfinite: jax.Array  # [L] NaN/inf reached a layer's write
     policy: Any = struct.field(pytree_node=False)
     fmt: Any = struct.field(pytree_node=False)
@@ -678,7 +706,9 @@ class PagedCache:
 
     def nbytes(self) -> int:
         """Real bytes of every buffer: page pools (scales included), tables, allocator state."""
-        return self.pages.nbytes() + _nbytes((self.granted, self.nonfinite))
+        return self.pages.nbytes() + _nbytes(
+            (self.read_tables, self.granted, self.cow, self.nonfinite)
+        )
 
     def kv_nbytes(self) -> int:
         """Bytes of the k/v page pools (format metadata included)."""
@@ -698,6 +728,16 @@ class PagedCache:
             )
         check(self.pages)
 
+    def share_prefix(self, src, dst, n_tokens=None) -> PagedCache:
+        """Rows dst [B] bool share row src's first n_tokens tokens (`share_prefix`)."""
+        pages = share_prefix(self.pages, src, dst, n_tokens)
+        return self.replace(pages=pages, read_tables=pages.block_tables)
+
+    def free(self, rows) -> PagedCache:
+        """End the sequences in rows [B] bool; their pages return to the pool (`free`)."""
+        pages = free(self.pages, rows)
+        return self.replace(pages=pages, read_tables=pages.block_tables)
+
     # ---- the protocol `kvjax.model.forward` calls
 
     def _keep(self, lengths):
@@ -708,11 +748,21 @@ class PagedCache:
         return window_pages(lengths, self.pages.max_pages, self.pages.page_size, window, sinks)
 
     def begin(self, n_valid) -> PagedCache:
-        """Reserve pages for this chunk's n_valid [B] tokens (those the rule keeps)."""
+        """Release the pages the rule drops once this chunk's n_valid [B] tokens are in, then
+        reserve pages for the tokens it keeps. Attention still reads the released pages
+        (through `read_tables`): the pool is written only in the write scan, after every read,
+        so a page freed and reused within one call is overwritten only after it was read.
+        Copy-on-write is deferred to `store` for the same reason."""
         with jax.named_scope("page_reserve"):
-            keep = self._keep(self.pages.lengths + n_valid)
-            pages, granted = reserve(self.pages, n_valid, keep)
-        return self.replace(pages=pages, granted=granted)
+            pages = self.pages
+            keep = self._keep(pages.lengths + n_valid)
+            if keep is not None:
+                pages = _release(pages, ~keep)
+            pages, granted, (src, dst) = reserve(pages, n_valid, keep, defer_copy=True)
+        return self.replace(
+            pages=pages, read_tables=self.pages.block_tables, granted=granted,
+            cow=jnp.stack([src, dst]),
+        )
 
     def layer_view(self, layer) -> PagedView:
         return PagedView(layer=layer)
@@ -722,7 +772,7 @@ class PagedCache:
         if self.policy.name != "streaming" or self.policy.rope != "cache" or self.rule is None:
             return None
         page, P = self.pages.page_size, self.pages.num_pages
-        bt, ln = self.pages.block_tables, self.pages.lengths
+        bt, ln = self.read_tables, self.pages.lengths
         j = jnp.arange(self.pages.max_pages)[None, :]  # [1, M]
         fill = jnp.clip(ln[:, None] - j * page, 0, page)  # [B, M] tokens in each table slot
         held = jnp.sum(jnp.where((bt >= 0) & (bt < P), fill, 0), axis=1)  # [B]
@@ -738,17 +788,17 @@ class PagedCache:
         token): token c of the compact table is token c % page of page table[b, c // page], and
         tokens c < n[b] are exactly the row's held tokens in position order. Without eviction
         this is the block table (R = M). With a window rule it is the sink slots (when `sinks`)
-        followed by R_w = (W - 1) // page + 2 slots from the first recent page, so attention
+        followed by R_w = `window_span(W, page)` slots from the first recent page, so attention
         reads O(W) tokens, not O(length).
         """
         pg = self.pages
         page, M = pg.page_size, pg.max_pages
-        bt, ln = pg.block_tables, pg.lengths
+        bt, ln = self.read_tables, pg.lengths
         if self.rule is None:
             return bt, ln, jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32) * page, bt.shape)
         window, _ = self.rule
         sp = self._sink_pages()
-        rw = min(M, (window - 1) // page + 2)
+        rw = min(M, window_span(window, page))
         j0 = jnp.clip(jnp.maximum(sp, (ln - window) // page), 0, M)  # [B] first recent page
         jr = j0[:, None] + jnp.arange(rw, dtype=jnp.int32)[None, :]  # [B, R_w]
         table = jnp.where(jr < M, jnp.take_along_axis(bt, jnp.clip(jr, 0, M - 1), 1), NO_PAGE)
@@ -810,7 +860,7 @@ class PagedCache:
         if shift is not None:  # sink pages leave the kernel: read, re-rotate, score here
             sp = self._sink_pages()
             n_sink = sp * pg.page_size
-            bt = pg.block_tables[:, :sp]  # [B, sp]
+            bt = self.read_tables[:, :sp]  # [B, sp]
             sk = gather_pages(pg.k, bt, layer)  # [B, K, n_sink, E]
             sv = gather_pages(pg.v, bt, layer)
             sk = rope(sk, jnp.broadcast_to(shift[:, None, None], sk.shape[:3]), rope_theta)
@@ -851,18 +901,19 @@ class PagedCache:
             stored = (t < self.granted[:, None])[:, :, None, None]  # [B, T, 1, 1]
             bad = ~jnp.all(jnp.where(stored, jnp.isfinite(k) & jnp.isfinite(v), True))
             keep = self._keep(self.pages.lengths + self.granted)
-            pages = write(self.pages, layer, k, v, self.granted, keep)
+            pages = copy_pages(self.pages, layer, self.cow[0], self.cow[1])
+            pages = write(pages, layer, k, v, self.granted, keep)
             return self.replace(
                 pages=pages, nonfinite=self.nonfinite.at[layer].set(self.nonfinite[layer] | bad)
             )
 
     def finish(self, n_valid) -> PagedCache:
-        """Count the stored tokens, then evict the pages the rule no longer keeps."""
-        with jax.named_scope("page_evict"):
-            pages = advance(self.pages, self.granted)
-            if self.rule is not None:
-                pages = window_evict(pages, *self.rule)
-        return self.replace(pages=pages, granted=jnp.zeros_like(self.granted))
+        """Count the stored tokens (the rule's pages were released in `begin`)."""
+        pages = advance(self.pages, self.granted)
+        return self.replace(
+            pages=pages, read_tables=pages.block_tables, granted=jnp.zeros_like(self.granted),
+            cow=jnp.full_like(self.cow, pages.num_pages),
+        )
 
 
 __all__ = [
@@ -881,6 +932,7 @@ __all__ = [
     "append",
     "attend",
     "check",
+    "copy_pages",
     "evict_pages",
     "eviction_rule",
     "free",
@@ -893,5 +945,6 @@ __all__ = [
     "share_prefix",
     "window_evict",
     "window_pages",
+    "window_span",
     "write",
 ]

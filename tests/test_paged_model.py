@@ -161,6 +161,30 @@ def test_page_granular_eviction_matches_numpy_rule(policy, window, sinks, rope_c
     assert cache.pages.num_pages == layout.pages_per_row(policy, 48)
 
 
+@pytest.mark.parametrize("policy", [FULL, get_policy("window", budget=12)], ids=["full", "window"])
+def test_shared_prompt_pages_copy_on_write_in_the_model(policy):
+    """Row 1 shares row 0's 13-token prompt (its partial last page too) instead of prefilling
+    it; both rows then decode different tokens (copy-on-write happens in the write scan) and
+    give the logits of two rows that each prefilled the prompt, with fewer pages."""
+    cfg, p = _model("gqa")
+    ids = _ids(cfg, 2, 19, seed=9)
+    prompt = jnp.asarray(np.stack([ids[0, :13], ids[0, :13]]))
+    layout = get_layout("paged", page_size=PAGE, impl="pallas")
+
+    _, alone = forward(p, prompt, layout.init(cfg, 2, policy, F32, 32), cfg)
+    _, shared = forward(p, prompt, layout.init(cfg, 2, policy, F32, 32), cfg,
+                        jnp.asarray([13, 0], jnp.int32))
+    shared = shared.share_prefix(0, jnp.asarray([False, True]))
+    used = [int(np.sum(np.asarray(c.pages.refcount) > 0)) for c in (alone, shared)]
+    assert used == [4, 2], used
+    for t in range(13, 19):
+        a, alone = forward(p, jnp.asarray(ids[:, t:t + 1]), alone, cfg)
+        b, shared = forward(p, jnp.asarray(ids[:, t:t + 1]), shared, cfg)
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    shared.check_finite()
+    assert paged.invariant_errors(shared.pages) == []
+
+
 # --------------------------------------------------------------------------- formats
 
 
@@ -227,8 +251,8 @@ def test_nbytes_abstract_and_pool_size():
         cache = lay.init(cfg, 3, pol, fmt, 64)
         real = sum(np.asarray(x).nbytes for x in jax.tree.leaves(cache))
         assert cache.nbytes() == real == lay.abstract(cfg, 3, pol, fmt, 64).nbytes()
-        # sink page + the pages of a 16-token window before and after a chunk (<= 16 stored)
-        assert lay.pages_per_row(pol, 64) == 1 + (2 * 16 - 1) // PAGE + 2
+        # the sink page + the pages 16 consecutive tokens can span, whatever the chunk size
+        assert lay.pages_per_row(pol, 64) == 1 + 3
         assert cache.pages.num_pages == 3 * lay.pages_per_row(pol, 64)
     full = get_layout("paged", page_size=PAGE).init(cfg, 2, FULL, F32, 60)
     L, K, E = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
