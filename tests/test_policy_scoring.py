@@ -213,10 +213,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("sizes", [(1,), (1, 3)], ids=["token", "chunks"])
+@pytest.mark.parametrize("sizes", [(1,), (1, 3, 7)], ids=["token", "chunks"])
 @pytest.mark.parametrize("name,opts", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
 def test_update_matches_reference(name, opts, sizes):
-    """Synthetic rows, 2 rows x 2 heads, capacity 6, 45 steps: kept sets equal at every step."""
+    """Synthetic rows, 2 rows x 2 heads, capacity 6, 45 steps (chunks of up to 7 > C, whose own
+    tokens then lose too): kept sets equal at every step."""
     B, K, E, C = 2, 2, 4, 6
     policy = get_policy(name, budget=C, **opts)
     for seed in range(3):
