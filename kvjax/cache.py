@@ -68,6 +68,8 @@ class KVCache:
         """An empty cache for `batch` rows; capacity comes from the policy's budget."""
         max_len = cfg.max_seq_len if max_len is None else max_len
         policy.validate(max_len)
+        if len(policy.layer_groups(cfg.n_layers, max_len)) > 1:
+            return LayerGroups.init(cfg, batch, policy, fmt, max_len)
         L, K, E = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         C = policy.capacity(max_len)
         stats = policy.init_stats(batch, K, C)
@@ -134,6 +136,15 @@ class KVCache:
 
     # ---- the protocol `kvjax.model.forward` calls (see the module docstring)
 
+    def segments(self):
+        """(lo, hi, cache) per group of layers that share one stacked cache: here, one."""
+        return ((0, self.pos.shape[0], self),)
+
+    def join(self, caches) -> KVCache:
+        """Reassemble from `segments` after `forward` updated each."""
+        (cache,) = caches
+        return cache
+
     def begin(self, n_valid) -> KVCache:
         return self
 
@@ -166,6 +177,71 @@ class KVCache:
 
     def check_finite(self) -> None:
         """Raise (on the host) naming the layers whose keys/values held NaN or inf."""
+        bad = np.flatnonzero(np.asarray(self.nonfinite))
+        if bad.size:
+            raise FloatingPointError(
+                f"NaN or inf keys/values reached the KV cache in layer(s) {bad.tolist()}; "
+                "they were not silently stored as valid data (check the model inputs/weights)"
+            )
+
+
+@struct.dataclass
+class LayerGroups:
+    """Per-layer budgets with real memory (PyramidKV-style): consecutive layers that share a
+    budget form one `KVCache` of that capacity, and `forward` scans each group in turn (compile
+    time grows with the number of groups, not with depth). Built by `KVCache.init` when the
+    policy's `layer_groups` has more than one group."""
+
+    groups: tuple
+    bounds: tuple = struct.field(pytree_node=False)  # ((lo, hi), ...) layers of each group
+    policy: Any = struct.field(pytree_node=False)
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, policy, fmt, max_len: int):
+        parts = policy.layer_groups(cfg.n_layers, max_len)
+        groups = tuple(
+            KVCache.init(dataclasses.replace(cfg, n_layers=hi - lo), batch, p, fmt, max_len)
+            for lo, hi, p in parts
+        )
+        return cls(groups=groups, bounds=tuple((lo, hi) for lo, hi, _ in parts), policy=policy)
+
+    @property
+    def length(self) -> jax.Array:
+        return self.groups[0].length
+
+    @property
+    def fmt(self):
+        return self.groups[0].fmt
+
+    @property
+    def nonfinite(self) -> jax.Array:
+        return jnp.concatenate([g.nonfinite for g in self.groups])  # [L]
+
+    @property
+    def capacity(self) -> float:
+        """Mean slots per layer (what the closed form 2·L·Hkv·D·C·bytes needs)."""
+        slots = sum(g.capacity * (hi - lo) for g, (lo, hi) in zip(self.groups, self.bounds))
+        return slots / self.bounds[-1][1]
+
+    def nbytes(self) -> int:
+        return sum(g.nbytes() for g in self.groups)
+
+    def kv_nbytes(self) -> int:
+        return sum(g.kv_nbytes() for g in self.groups)
+
+    def segments(self):
+        return tuple((lo, hi, g) for g, (lo, hi) in zip(self.groups, self.bounds))
+
+    def join(self, caches) -> LayerGroups:
+        return self.replace(groups=tuple(caches))
+
+    def begin(self, n_valid) -> LayerGroups:
+        return self.join(g.begin(n_valid) for g in self.groups)
+
+    def finish(self, n_valid) -> LayerGroups:
+        return self.join(g.finish(n_valid) for g in self.groups)
+
+    def check_finite(self) -> None:
         bad = np.flatnonzero(np.asarray(self.nonfinite))
         if bad.size:
             raise FloatingPointError(

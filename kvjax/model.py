@@ -73,21 +73,26 @@ def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None):
     pos_new = jnp.where(t[None] < n_valid[:, None], cache.length[:, None] + t[None], -1)  # [B, T]
     x = params["embed"][tokens]  # [B, T, D]
 
-    def body(x, xs):
-        lp, layer = xs
-        return _layer(cfg, lp, x, pos_new, cache, layer)
-
-    # Two scans: the first only reads the cache, the second only writes it. Writing inside the
+    # Two scans per group of layers (one group unless the policy gives layers different
+    # budgets): the first only reads the cache, the second only writes it. Writing inside the
     # first (reads and writes of one buffer with no data dependency between them) makes XLA copy
     # the whole stacked cache every layer; split, every write is an in-place scatter.
-    layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-    x, writes = jax.lax.scan(body, x, (params["layers"], layer_ids))
+    done = []
+    for lo, hi, seg in cache.segments():
 
-    def store(c, xs):
-        layer, write = xs
-        return c.store(layer, write, pos_new), None
+        def body(x, layer, seg=seg, lo=lo):
+            lp = jax.tree.map(lambda a: a[layer], params["layers"])
+            return _layer(cfg, lp, x, pos_new, seg, layer - lo)
 
-    cache, _ = jax.lax.scan(store, cache, (layer_ids, writes))
+        x, writes = jax.lax.scan(body, x, jnp.arange(lo, hi, dtype=jnp.int32))
+
+        def store(c, xs):
+            layer, write = xs
+            return c.store(layer, write, pos_new), None
+
+        seg, _ = jax.lax.scan(store, seg, (jnp.arange(hi - lo, dtype=jnp.int32), writes))
+        done.append(seg)
+    cache = cache.join(done)
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]  # [D, V]
     logits = jnp.einsum("BTD,DV->BTV", x, head).astype(jnp.float32)

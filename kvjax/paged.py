@@ -552,7 +552,7 @@ def page_kind(fmt) -> tuple[str, int]:
         raise ValueError(
             "kv format int4 with key_mode='channel' (KIVI keys, the dense default) does not fit "
             "pages: the paged kernel reads whole tokens, so paged int4 quantizes keys per token; "
-            "pass key_mode='token' (kv_options={key_mode: token}) or use layout='dense'"
+            "pass key_mode='token' (run.py: +kv_options.key_mode=token) or use layout='dense'"
         )
     raise ValueError(
         f"kv format {name!r} is not supported on the paged layout; supported: "
@@ -703,6 +703,14 @@ class PagedCache:
         if self.layout.interpret is None:
             return jax.default_backend() != "gpu"
         return self.layout.interpret
+
+    def segments(self):
+        """One group of layers: the pool is shared by all of them."""
+        return ((0, self.nonfinite.shape[0], self),)
+
+    def join(self, caches) -> PagedCache:
+        (cache,) = caches
+        return cache
 
     def nbytes(self) -> int:
         """Real bytes of every buffer: page pools (scales included), tables, allocator state."""

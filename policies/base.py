@@ -98,6 +98,13 @@ class Policy:
         """Largest chunk one `update` can place (new tokens must fit beside protected slots)."""
         return max(1, self.capacity(max_len) - self.min_budget() + 1)
 
+    def layer_groups(self, n_layers: int, max_len: int) -> tuple[tuple[int, int, Policy], ...]:
+        """Consecutive layer ranges (lo, hi) and the policy each runs; one group by default.
+
+        Several groups give layers different budgets with real memory: the cache holds one
+        stacked cache per group, each of its own capacity (`kvjax.cache.LayerGroups`)."""
+        return ((0, n_layers, self),)
+
     def rope_positions(self, view: LayerView, pos_new):
         """Positions RoPE uses: (chunk [B, T], cached keys [B, K, C] or None).
 
