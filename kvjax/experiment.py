@@ -30,7 +30,7 @@ import numpy as np
 
 from kvjax.cache import KVCache, closed_form_bytes
 from kvjax.generate import decode_step, prefill
-from kvjax.policies import POLICIES, get_policy
+from kvjax.policies import POLICIES, compress_cache, get_policy
 from kvjax.results import (
     SCHEMA,
     WANDB_MODES,
@@ -42,7 +42,7 @@ from kvjax.results import (
     to_jsonable,
 )
 from kvjax.tasks import Task, TaskContext, TaskResult
-from kvjax.tasks.base import after_prefill, effective_chunk, is_prefill_only
+from kvjax.tasks.base import effective_chunk, is_prefill_only
 from kvjax.tasks.text import CharTokenizer, encode_prefix, load_text, sha256_text
 
 TINY = "tiny"
@@ -307,7 +307,7 @@ def measure_speed(ctx: TaskContext, prompt: list[int], new_tokens: int):
         cache = KVCache.init(ctx.cfg, 1, ctx.policy, ctx.fmt, ctx.max_len)
         t = time.perf_counter()
         logits, cache = prefill(ctx.params, [prompt], cache, ctx.cfg, chunk)
-        cache = after_prefill(cache)
+        cache = compress_cache(cache)
         jax.block_until_ready((logits, cache))
         return time.perf_counter() - t, logits, cache
 

@@ -22,6 +22,7 @@ from kvjax.cache import KVCache
 from kvjax.config import ModelConfig
 from kvjax.generate import decode_step, prefill, sample
 from kvjax.model import forward
+from kvjax.policies import compress_cache
 
 TASKS: dict[str, type[Task]] = {}
 
@@ -110,15 +111,9 @@ def bar(iterable, ctx: TaskContext, desc: str, total: int | None = None):
     return tqdm(iterable, desc=desc, total=total, disable=disable, leave=False, dynamic_ncols=True)
 
 
-def after_prefill(cache: KVCache) -> KVCache:
-    """The hook between prefill and decode: a policy's optional `compress` (SnapKV-style)."""
-    compress = getattr(cache.policy, "compress", None)
-    return cache if compress is None else compress(cache)
-
-
 def is_prefill_only(policy) -> bool:
     """Policies that select the cache once after a prompt (they need a task with a prompt)."""
-    return bool(getattr(policy, "prefill_only", False))
+    return policy.prefill_only
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -169,7 +164,7 @@ def greedy_generate(ctx: TaskContext, prompts: Sequence[Sequence[int]], new_toke
     cache = KVCache.init(ctx.cfg, len(prompts), ctx.policy, ctx.fmt, ctx.max_len)
     chunk = effective_chunk(chunk, ctx.policy, ctx.max_len, max(len(p) for p in prompts))
     logits, cache = prefill(ctx.params, prompts, cache, ctx.cfg, chunk)
-    cache = after_prefill(cache)
+    cache = compress_cache(cache)
     key = jax.random.PRNGKey(0)
     out = []
     for _ in range(new_tokens):
