@@ -96,14 +96,26 @@ def pack_bits(q, bits: int):
 
 
 def unpack_bits(p, bits: int):
-    """Inverse of `pack_bits`: uint8 [..., E * bits // 8] -> codes uint8 [..., E]."""
+    """Inverse of `pack_bits`: uint8 [..., E * bits // 8] -> codes uint8 [..., E].
+
+    The nibbles (int4) or bit pairs (int2) of each byte are spread into the bytes of a wider
+    word with shifts and masks, and the word is reinterpreted as bytes. This is 1.5-2x faster
+    on CPU than shifting a broadcast [..., E/per, per] view (XLA vectorizes it poorly), and the
+    read path of every int4/int2 layer runs it. Byte order: little-endian, as on every JAX
+    backend (tested exactly in test_pack_bits_exact_layout).
+    """
     _check_bits(bits)
-    per = 8 // bits
-    if per == 1:
+    if bits == 8:
         return p
-    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)  # [per]
-    q = (p[..., None] >> shifts) & jnp.uint8(2**bits - 1)  # [..., E/per, per]
-    return q.reshape(*p.shape[:-1], p.shape[-1] * per)
+    if bits == 4:  # byte n0 | n1 << 4 -> uint16 with byte 0 = n0, byte 1 = n1
+        u = p.astype(jnp.uint16)
+        u = (u | (u << 4)) & jnp.uint16(0x0F0F)
+    else:  # byte n0 | n1 << 2 | n2 << 4 | n3 << 6 -> uint32 with byte i = n_i
+        u = p.astype(jnp.uint32)
+        u = (u | (u << 12)) & jnp.uint32(0x000F000F)
+        u = (u | (u << 6)) & jnp.uint32(0x03030303)
+    q = jax.lax.bitcast_convert_type(u, jnp.uint8)  # [..., E*bits/8, 8/bits]
+    return q.reshape(*p.shape[:-1], p.shape[-1] * (8 // bits))
 
 
 def asym_params(lo, hi, bits: int):
@@ -172,16 +184,19 @@ def dequantize_int8(d: dict):
 
 
 def quantize_fp8(x) -> dict:
-    """Per-token scaled e4m3: {"q": float8_e4m3fn [..., E], "scale": float16 [..., 1]}."""
+    """Per-token scaled e4m3: {"q": uint8 [..., E] (float8_e4m3fn bits), "scale": f16 [..., 1]}.
+
+    Codes are held as their bits: XLA:CPU widens every op on an fp8 buffer to f32, so a
+    scatter into a float8 store would convert the whole store (see `float_bits`)."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)  # [..., 1]
     scale = _f16_up(jnp.maximum(amax / FP8_MAX, TINY))
     y = jnp.clip(x / scale.astype(jnp.float32), -FP8_MAX, FP8_MAX)
-    return {"q": y.astype(jnp.float8_e4m3fn), "scale": scale}
+    return {"q": float_bits(y, jnp.float8_e4m3fn), "scale": scale}
 
 
 def dequantize_fp8(d: dict):
-    return d["q"].astype(jnp.float32) * d["scale"].astype(jnp.float32)
+    return e4m3_to_f32(d["q"]) * d["scale"].astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- store helpers
@@ -210,6 +225,39 @@ def _scatter(a, layer, slots, rows):
     b = jnp.arange(B)[:, None, None]
     h = jnp.arange(K)[None, :, None]
     return a.at[layer, b, h, slots].set(rows.astype(a.dtype), mode="drop")
+
+
+def float_bits(x, dtype):
+    """x rounded to the 1- or 2-byte float `dtype`, as its raw bits (uint16 / uint8).
+
+    bf16 and fp8 stores hold bits, not float arrays: XLA:CPU widens every op on a bf16/fp8
+    buffer to f32, so a scatter of one token into a bf16 store converted the whole stacked
+    store and back (~1 s per decode step for 30 layers at 8k tokens). On the bits the scatter
+    is in place and the read is a shift (`bf16_to_f32`, `e4m3_to_f32`)."""
+    bits = jnp.uint16 if np.dtype(dtype).itemsize == 2 else jnp.uint8
+    return jax.lax.bitcast_convert_type(x.astype(dtype), bits)
+
+
+def bf16_to_f32(u):
+    """bfloat16 bits (uint16) -> float32, exact: they are the top half of the f32's bits."""
+    return jax.lax.bitcast_convert_type(u.astype(jnp.uint32) << 16, jnp.float32)
+
+
+def e4m3_to_f32(u):
+    """float8_e4m3fn bits (uint8) -> float32, exact.
+
+    e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal
+    (m * 2^-9); 0x7F / 0xFF are NaN; there is no infinity.
+    """
+    b = u.astype(jnp.uint32)
+    sign = (b & 0x80) << 24
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    normal = jax.lax.bitcast_convert_type(sign | ((e + 120) << 23) | (m << 20), jnp.float32)
+    sub = m.astype(jnp.float32) * jnp.float32(2.0**-9)
+    sub = jnp.where(sign > 0, -sub, sub)
+    nan = jax.lax.bitcast_convert_type(sign | jnp.uint32(0x7FC00000), jnp.float32)
+    return jnp.where((b & 0x7F) == 0x7F, nan, jnp.where(e == 0, sub, normal))
 
 
 def store_nbytes(store) -> int:
@@ -242,21 +290,24 @@ class KVFormat:
 
 @dataclasses.dataclass(frozen=True)
 class _FloatFormat(KVFormat):
-    """Values stored as a float dtype, no metadata."""
+    """Values stored as a float dtype, no metadata (bf16 as its uint16 bits, see `float_bits`)."""
 
     dtype: ClassVar = jnp.float32
 
     def init(self, shape, kind):
         _check_kind(kind)
-        return {"q": jnp.zeros(_check_shape(shape), self.dtype)}  # [L, B, K, C, E]
+        store_dtype = jnp.float32 if self.dtype == jnp.float32 else jnp.uint16
+        return {"q": jnp.zeros(_check_shape(shape), store_dtype)}  # [L, B, K, C, E]
 
     def write(self, store, layer, slots, x, kind):
         with jax.named_scope("kv_format_write"):
-            return {"q": _scatter(store["q"], layer, slots, x)}
+            rows = x if self.dtype == jnp.float32 else float_bits(x, self.dtype)
+            return {"q": _scatter(store["q"], layer, slots, rows)}
 
     def read(self, store, layer, kind):
         with jax.named_scope("kv_format_read"):
-            return _layer(store["q"], layer).astype(jnp.float32)  # [B, K, C, E]
+            q = _layer(store["q"], layer)  # [B, K, C, E]
+            return q if self.dtype == jnp.float32 else bf16_to_f32(q)
 
 
 @register
@@ -306,10 +357,10 @@ class _ScaledFormat(KVFormat):
 @register
 @dataclasses.dataclass(frozen=True)
 class FP8(_ScaledFormat):
-    """float8_e4m3fn codes with a per-token scale amax / 448."""
+    """float8_e4m3fn codes (stored as their uint8 bits) with a per-token scale amax / 448."""
 
     name = "fp8"
-    code_dtype = jnp.float8_e4m3fn
+    code_dtype = jnp.uint8
 
     def _encode(self, x):
         return quantize_fp8(x)
@@ -362,14 +413,15 @@ class _IntFormat(KVFormat):
     group: int = 32
     key_mode: str = "channel"
     residual: int | None = None  # default: one group
+    value_group: int | None = None  # per-token group of the values; default: `group`
 
     def __post_init__(self):
-        if (
-            isinstance(self.group, bool)
-            or not isinstance(self.group, (int, np.integer))
-            or self.group <= 0
-        ):
-            raise ValueError(f"{self.name}: group={self.group!r} must be a positive int")
+        for opt in ("group", "value_group"):
+            v = getattr(self, opt)
+            if opt == "value_group" and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"{self.name}: {opt}={v!r} must be a positive int")
         if self.key_mode not in KEY_MODES:
             raise ValueError(f"{self.name}: key_mode={self.key_mode!r} is not one of {KEY_MODES}")
         r = self.residual
@@ -389,13 +441,18 @@ class _IntFormat(KVFormat):
     def channel_keys(self, kind: str) -> bool:
         return kind == "k" and self.key_mode == "channel"
 
+    def group_of(self, kind: str) -> int:
+        """The per-token group size of keys or values."""
+        return self.value_group if kind == "v" and self.value_group is not None else self.group
+
     def init(self, shape, kind):
         _check_kind(kind)
         L, B, K, C, E = _check_shape(shape)
-        g, bits = self.group, self.bits
+        g, bits = self.group_of(kind), self.bits
         if E % g:
+            opt = "value_group" if g != self.group else "group"
             raise ValueError(
-                f"{self.name}: group={g} must divide the head dim E={E} (per-token groups run "
+                f"{self.name}: {opt}={g} must divide the head dim E={E} (per-token groups run "
                 f"along E); use one of {[d for d in range(1, E + 1) if E % d == 0]}"
             )
         _check_group(E, bits, g)
@@ -431,27 +488,32 @@ class _IntFormat(KVFormat):
         with jax.named_scope("kv_format_write"):
             if self.channel_keys(kind):
                 return self._write_channel(store, layer, slots, x)
-            d = quantize_per_token(x, self.bits, self.group)  # [B, K, T, ...]
+            d = quantize_per_token(x, self.bits, self.group_of(kind))  # [B, K, T, ...]
             return {n: _scatter(store[n], layer, slots, d[n]) for n in ("q", "scale", "zero")}
 
     def read(self, store, layer, kind):
         with jax.named_scope("kv_format_read"):
-            d = {n: _layer(store[n], layer) for n in ("q", "scale", "zero")}
-            tok = dequantize_per_token(d, self.bits, self.group)  # [B, K, C, E]
+            g = self.group_of(kind)
+            q = unpack_bits(_layer(store["q"], layer), self.bits).astype(jnp.float32)
+            B, K, C, E = q.shape  # q: [B, K, C, E] codes
+            scale = _layer(store["scale"], layer)  # [B, K, C, E/g]
+            tok = (
+                q.reshape(B, K, C, E // g, g) * scale[..., None].astype(jnp.float32)
+                + _layer(store["zero"], layer)[..., None].astype(jnp.float32)
+            ).reshape(B, K, C, E)
             if not self.channel_keys(kind):
                 return tok
-            g = self.group
-            q = unpack_bits(d["q"], self.bits).astype(jnp.float32)  # [B, K, C, E]
-            cs = jnp.repeat(_layer(store["cscale"], layer), g, axis=2)  # [B, K, C, E]
-            cz = jnp.repeat(_layer(store["czero"], layer), g, axis=2)  # [B, K, C, E]
-            chan = q * cs.astype(jnp.float32) + cz.astype(jnp.float32)
-            out = jnp.where(d["scale"][..., :1] > 0, tok, chan)  # [B, K, C, E]
+            # one fused pass: per-channel params broadcast over their slot group (no repeat),
+            # the per-token fallback where the slot's own scale is set, then the residual
+            cs = _layer(store["cscale"], layer)[:, :, :, None, :].astype(jnp.float32)
+            cz = _layer(store["czero"], layer)[:, :, :, None, :].astype(jnp.float32)
+            chan = (q.reshape(B, K, C // g, g, E) * cs + cz).reshape(B, K, C, E)
+            out = jnp.where(scale[..., :1] > 0, tok, chan)  # [B, K, C, E]
             res = _layer(store["res"], layer)  # [B, K, S, g, E]
-            B, K, S, _, E = res.shape
-            C = out.shape[2]
+            S = res.shape[2]
             rs = _residual_slots(
                 _layer(store["res_group"], layer), _layer(store["res_mask"], layer), C
-            )
+            )  # [B, K, S*g]
             b = jnp.arange(B)[:, None, None]
             h = jnp.arange(K)[None, :, None]
             return out.at[b, h, rs].set(res.reshape(B, K, S * g, E), mode="drop")
@@ -577,18 +639,192 @@ class Int2(_IntFormat):
     bits = 2
 
 
+KEEP_DTYPES = ("f32", "bf16")
+KEEP_OPTIONS = ("keep_layers", "keep_heads", "keep_dtype")
+
+
+def _index_tuple(what: str, value) -> tuple[int, ...]:
+    """A sorted tuple of distinct non-negative ints (lists and a single int are accepted)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = (value,)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise ValueError(f"kv_keep: {what}={value!r} must be a tuple of indices") from None
+    bad = [v for v in items if isinstance(v, bool) or not isinstance(v, (int, np.integer))
+           or v < 0]
+    if bad:
+        raise ValueError(f"kv_keep: {what}={items!r} holds {bad}, which are not non-negative "
+                         "integer indices")
+    if len(set(items)) != len(items):
+        raise ValueError(f"kv_keep: {what}={items!r} repeats an index")
+    return tuple(sorted(int(v) for v in items))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixed(KVFormat):
+    """Mixed precision (`kv_keep`): chosen layers and kv heads stay full precision, the rest
+    use `base`.
+
+    A (layer, head) is kept when its layer is in `keep_layers` or its head in `keep_heads`.
+    The store holds real buffers only for what each part needs (leaves [rows, B, heads, C, ...]):
+
+    * "layers": `keep_dtype` store of the kept layers, [len(keep_layers), B, K, C, E];
+    * "heads": `keep_dtype` store of the kept heads in the other layers, [Lq, B, Kk, C, E];
+    * "base": the base format's store of the rest, [Lq, B, K - Kk, ...].
+
+    The traced layer index is routed through static layer -> row tables. A kept layer reads
+    and writes only "layers" (`lax.cond`, so the other branch does no work); the other layers
+    read "base" and "heads" and join the heads back in their order. Nothing is read at full
+    size twice, and no quantized buffer exists for kept layers or heads.
+    """
+
+    name: ClassVar[str] = "mixed"
+    base: KVFormat = None
+    keep_layers: tuple[int, ...] = ()
+    keep_heads: tuple[int, ...] = ()
+    keep_dtype: str = "bf16"
+
+    def __post_init__(self):
+        if not isinstance(self.base, KVFormat) or isinstance(self.base, Mixed):
+            raise TypeError(f"kv_keep: base={self.base!r} must be a (non-mixed) KVFormat, "
+                             f"e.g. get_format('int4')")
+        object.__setattr__(self, "keep_layers", _index_tuple("keep_layers", self.keep_layers))
+        object.__setattr__(self, "keep_heads", _index_tuple("keep_heads", self.keep_heads))
+        if not self.keep_layers and not self.keep_heads:
+            raise ValueError("kv_keep: give keep_layers and/or keep_heads (both are empty); "
+                             f"without them use the base format {self.base.name!r} itself")
+        if self.keep_dtype not in KEEP_DTYPES:
+            raise ValueError(f"kv_keep: keep_dtype={self.keep_dtype!r} is not one of "
+                             f"{KEEP_DTYPES}")
+
+    @property
+    def keep(self) -> KVFormat:
+        return FORMATS[self.keep_dtype]()
+
+    def layout(self, L: int, K: int):
+        """(kept layers, quantized layers, kept heads, quantized heads) for L layers, K heads."""
+        for what, idx, n, unit in (("keep_layers", self.keep_layers, L, "layers"),
+                                   ("keep_heads", self.keep_heads, K, "kv heads")):
+            bad = [i for i in idx if i >= n]
+            if bad:
+                raise ValueError(
+                    f"kv_keep: {what}={idx} has {bad} outside the model's {n} {unit}; valid "
+                    f"indices are 0..{n - 1}"
+                )
+        kl = self.keep_layers
+        kh = self.keep_heads
+        return (kl, tuple(i for i in range(L) if i not in kl),
+                kh, tuple(h for h in range(K) if h not in kh))
+
+    def init(self, shape, kind):
+        _check_kind(kind)
+        L, B, K, C, E = _check_shape(shape)
+        kl, ql, kh, qh = self.layout(L, K)
+        store = {}
+        if kl:
+            store["layers"] = self.keep.init((len(kl), B, K, C, E), kind)
+        if ql and kh:
+            store["heads"] = self.keep.init((len(ql), B, len(kh), C, E), kind)
+        if ql and qh:
+            store["base"] = self.base.init((len(ql), B, len(qh), C, E), kind)
+        return store
+
+    def _route(self, store, layer):
+        """(kept?, row in "layers" or in "heads"/"base") of a traced layer index."""
+        rest = [jax.tree.leaves(store[n])[0].shape[0] for n in ("heads", "base") if n in store]
+        L = len(self.keep_layers) + (rest[0] if rest else 0)
+        kept = np.zeros(L, bool)
+        kept[list(self.keep_layers)] = True
+        row = np.zeros(L, np.int32)
+        row[kept] = np.arange(kept.sum())
+        row[~kept] = np.arange((~kept).sum())
+        return jnp.asarray(kept)[layer], jnp.asarray(row)[layer]
+
+    def _heads(self, store) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """(K, kept heads, quantized heads) from the store's shapes."""
+        if "layers" in store:
+            K = store["layers"]["q"].shape[2]
+        else:
+            K = len(self.keep_heads) + (
+                jax.tree.leaves(store["base"])[0].shape[2] if "base" in store else 0)
+        kh = self.keep_heads
+        return K, kh, tuple(h for h in range(K) if h not in kh)
+
+    def read(self, store, layer, kind):
+        with jax.named_scope("kv_format_read"):
+            kept, row = self._route(store, layer)
+            K, kh, qh = self._heads(store)
+
+            def read_layers():
+                return self.keep.read(store["layers"], row, kind)  # [B, K, C, E]
+
+            def read_rest():
+                parts = {}
+                if "base" in store:
+                    xb = self.base.read(store["base"], row, kind)  # [B, Kq, C, E]
+                    parts.update({h: xb[:, i:i + 1] for i, h in enumerate(qh)})
+                if "heads" in store:
+                    xh = self.keep.read(store["heads"], row, kind)  # [B, Kk, C, E]
+                    parts.update({h: xh[:, i:i + 1] for i, h in enumerate(kh)})
+                return jnp.concatenate([parts[h] for h in range(K)], axis=1)  # [B, K, C, E]
+
+            if "layers" not in store:
+                return read_rest()
+            if "heads" not in store and "base" not in store:
+                return read_layers()
+            return jax.lax.cond(kept, read_layers, read_rest)
+
+    def write(self, store, layer, slots, x, kind):
+        with jax.named_scope("kv_format_write"):
+            kept, row = self._route(store, layer)
+            _, kh, qh = self._heads(store)
+            out = dict(store)
+            # float parts: a row past the end is dropped by the scatter, so no branch is needed
+            if "layers" in store:
+                n = store["layers"]["q"].shape[0]
+                out["layers"] = self.keep.write(
+                    store["layers"], jnp.where(kept, row, n), slots, x, kind)
+            if "heads" in store:
+                n = store["heads"]["q"].shape[0]
+                out["heads"] = self.keep.write(
+                    store["heads"], jnp.where(kept, n, row), slots[:, list(kh)],
+                    x[:, list(kh)], kind)
+            if "base" in store:
+                qs, qx = slots[:, list(qh)], x[:, list(qh)]  # [B, Kq, T], [B, Kq, T, E]
+
+                def write_base(b):
+                    return self.base.write(b, row, qs, qx, kind)
+
+                out["base"] = (write_base(store["base"]) if "layers" not in store else
+                               jax.lax.cond(kept, lambda b: b, write_base, store["base"]))
+            return out
+
+
 def get_format(name: str, **options) -> KVFormat:
-    """The format called `name` with its options (e.g. get_format("int4", group=64))."""
+    """The format called `name` with its options (e.g. get_format("int4", group=64)).
+
+    `keep_layers`, `keep_heads` (tuples of indices) and `keep_dtype` ("bf16" or "f32") wrap it
+    in `Mixed` (kv_keep): those layers and kv heads stay full precision.
+    """
     if name not in FORMATS:
         raise ValueError(f"unknown kv format {name!r}; choose one of {sorted(FORMATS)}")
+    keep = {k: options.pop(k) for k in KEEP_OPTIONS if k in options}
     cls = FORMATS[name]
     fields = [f.name for f in dataclasses.fields(cls)]
     bad = [k for k in options if k not in fields]
     if bad:
         raise ValueError(
-            f"kv format {name!r} has no option(s) {bad}; its options are {fields or 'none'}"
+            f"kv format {name!r} has no option(s) {bad}; its options are "
+            f"{fields + list(KEEP_OPTIONS)}"
         )
-    return cls(**options)
+    fmt = cls(**options)
+    if not keep.get("keep_layers") and not keep.get("keep_heads"):
+        if "keep_dtype" in keep and keep["keep_dtype"] not in KEEP_DTYPES:
+            raise ValueError(f"kv_keep: keep_dtype={keep['keep_dtype']!r} is not one of "
+                             f"{KEEP_DTYPES}")
+        return fmt
+    return Mixed(fmt, **keep)
 
 
 def byte_table(shape=(30, 1, 3, 2048, 64)) -> list[tuple[str, int, float]]:

@@ -159,7 +159,11 @@ def test_int8_roundtrip_within_half_step(x):
 def test_fp8_roundtrip_relative_bound(x):
     xh, d = roundtrip_fp8(jnp.asarray(x))
     s = np.asarray(d["scale"], np.float32)
-    assert np.asarray(d["q"]).dtype == jnp.float8_e4m3fn
+    q = np.asarray(d["q"])
+    assert q.dtype == np.uint8  # the float8_e4m3fn bits (see formats.float_bits)
+    np.testing.assert_array_equal(  # they are the e4m3 rounding of x / scale
+        q.view(jnp.float8_e4m3fn).astype(np.float32),
+        np.clip(x / s, -F.FP8_MAX, F.FP8_MAX).astype(jnp.float8_e4m3fn).astype(np.float32))
     y = np.abs(x) / s
     bound = s * np.maximum(2.0**-4 * y, 2.0**-10) + EPS * (np.abs(x) + s)
     err = np.abs(np.asarray(xh) - x)
@@ -175,6 +179,8 @@ def test_bf16_roundtrip_relative_bound():
     )
     xh = np.asarray(jread(f, st_, 0, "k"))[0, :, 0]
     assert np.all(np.abs(xh - x) <= 2.0**-8 * np.abs(x))  # 8 significant bits
+    assert st_["q"].dtype == jnp.uint16  # stored as the bf16 bits (see formats.float_bits)
+    np.testing.assert_array_equal(xh, x.astype(jnp.bfloat16).astype(np.float32))
 
 
 # ----------------------------------------------------------------------------- packing
@@ -217,7 +223,7 @@ def test_value_store_layout_is_the_kernel_contract():
         np.testing.assert_allclose(
             q * sc + ze, np.asarray(jread(f, s, 1, "v"))[:, :, :5], rtol=0, atol=1e-6
         )
-    for name, dt in (("int8", jnp.int8), ("fp8", jnp.float8_e4m3fn)):
+    for name, dt in (("int8", jnp.int8), ("fp8", jnp.uint8)):  # fp8: the e4m3 bits
         s = get_format(name).init((2, 1, 3, 32, 64), "k")
         assert s["q"].dtype == dt and s["q"].shape == (2, 1, 3, 32, 64)
         assert s["scale"].shape == (2, 1, 3, 32, 1) and s["scale"].dtype == jnp.float16
