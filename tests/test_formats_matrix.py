@@ -1,0 +1,137 @@
+"""Every registered policy x every storage format on the tiny model: prefill with eviction,
+the after-prefill hook, then decode steps. Logits stay finite, the capacity holds,
+and with f32 and a budget the sequence fits in, every policy gives the full cache's logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.cache import KVCache
+from kvjax.config import tiny_config
+from kvjax.formats import FORMATS as REGISTERED
+from kvjax.formats import get_format
+from kvjax.model import forward, init_params
+from kvjax.policies import POLICIES, compress_cache, get_policy
+
+CFG = tiny_config(max_seq_len=64)  # head_dim 8: int groups of 8, capacities multiples of 8
+PROMPT, CHUNK, STEPS = 24, 8, 5
+SEQ = PROMPT + STEPS
+MAX_LEN = 32  # the full policy's capacity (a multiple of the group)
+SMALL, LARGE = 16, 32  # an eviction budget; a budget the whole sequence fits in
+INT_OPTS = {"group": 8, "value_group": 8, "residual": 8}  # defaults' layouts, tiny groups
+FORMATS = {name: INT_OPTS if name in ("int4", "int2") else {} for name in sorted(REGISTERED)}
+FORMATS["int4-keep"] = dict(INT_OPTS, key_mode="channel", keep_layers=(1,), keep_heads=(0,))
+
+
+def make_format(label: str):
+    return get_format(label.split("-")[0], **FORMATS[label])
+
+
+SHRINK = {"window": 4, "n_sink": 2, "n_groups": 2, "ratio": 3.0}  # what the tiny model has room for
+
+
+def small_policy(name: str, budget: int):
+    """The policy with `budget` slots (per layer on average): its defaults where they fit the
+    tiny model, else its protected windows, layer groups and budget ratio shrunk to fit."""
+    opts = {} if name == "full" else {"budget": budget}
+    cls = POLICIES[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    shrunk = {k: v for k, v in SHRINK.items() if k in fields}
+    for extra in ({}, shrunk, dict(shrunk, ratio=1.0)):
+        try:
+            policy = get_policy(name, **opts, **extra)
+            policy.validate(MAX_LEN)
+            if hasattr(policy, "layer_groups"):
+                policy.layer_groups(CFG.n_layers, MAX_LEN)
+        except ValueError:
+            continue
+        if policy.min_budget() <= budget // 2:
+            return policy
+    raise AssertionError(f"no small configuration of policy {name!r} fits the tiny model")
+
+
+def leaves_named(tree, name: str):
+    """Every leaf of `tree` whose path ends in the field or key `name` (any cache layout)."""
+    return [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+            if getattr(path[-1], "name", getattr(path[-1], "key", None)) == name]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.3)
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, SEQ).astype(np.int32)
+    return params, ids
+
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}  # tiny shapes: compile time dominates
+
+
+def _forward(params, tokens, cache):
+    return forward(params, tokens, cache, CFG)
+
+
+def run(params, ids, policy, fmt):
+    """Prefill PROMPT tokens one at a time (evicting once the budget is full), the
+    after-prefill hook, then STEPS decode steps: one compiled T = 1 step per (policy, format)
+    and cache shape, so the 70-odd combinations stay fast. (Chunked writes under eviction are
+    tested per format in test_formats.py.)
+
+    Returns (logits [STEPS + 1, V] at the last prompt token and each decoded one, the cache
+    after the prefill hook (shapes only), the final cache)."""
+    cache = KVCache.init(CFG, 1, policy, fmt, MAX_LEN)
+    tok = jnp.zeros((1, 1), jnp.int32)
+    step = jax.jit(_forward).lower(params, tok, cache).compile(FAST_COMPILE)
+    out = []
+    for t in range(SEQ):
+        if t == PROMPT and policy.compress is not None:  # a new capacity and stats: a new step
+            cache = jax.jit(compress_cache).lower(cache).compile(FAST_COMPILE)(cache)
+            step = jax.jit(_forward).lower(params, tok, cache).compile(FAST_COMPILE)
+        if t == PROMPT:
+            hooked = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), cache)
+        logits, cache = step(params, jnp.asarray(ids[None, t:t + 1]), cache)
+        if t >= PROMPT - 1:
+            out.append(logits[0, 0])
+    return np.asarray(jnp.stack(out)), hooked, cache
+
+
+KEEP_POLICIES = ("h2o", "snapkv", "window")  # kv_keep routes like its base format: a sample
+MATRIX = [(p, f) for p in sorted(POLICIES) for f in FORMATS
+          if f not in ("f32", "int4-keep") or (f == "int4-keep" and p in KEEP_POLICIES)]
+
+
+@pytest.mark.parametrize("name,fmt_label", MATRIX, ids=[f"{p}-{f}" for p, f in MATRIX])
+def test_policy_format_matrix_with_eviction(setup, name, fmt_label):
+    """Every format under every policy with eviction (f32 under eviction: test_policies.py)."""
+    params, ids = setup
+    policy, fmt = small_policy(name, SMALL), make_format(fmt_label)
+    logits, hooked, cache = run(params, ids, policy, fmt)
+    assert np.isfinite(logits).all()
+    cache.check_finite()
+    # decode keeps the capacity: every buffer has the shape it had after the prefill hook
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), cache) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), hooked)
+    for pos in leaves_named(cache, "pos"):  # [L, B, K, C] per layer group
+        held = np.asarray(pos >= 0).sum(-1)
+        assert (held == min(pos.shape[-1], SEQ)).all()
+    if name != "full":
+        assert cache.kv_nbytes() < KVCache.init(CFG, 1, get_policy("full"), fmt,
+                                                MAX_LEN).kv_nbytes()
+    assert int(cache.length[0]) == SEQ
+
+
+@pytest.fixture(scope="module")
+def full_logits(setup):
+    params, ids = setup
+    return run(params, ids, get_policy("full"), get_format("f32"))[0]
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"full"}))
+def test_f32_with_room_for_everything_matches_the_full_cache(setup, full_logits, name):
+    params, ids = setup
+    logits, _, _ = run(params, ids, small_policy(name, LARGE), get_format("f32"))
+    np.testing.assert_allclose(logits, full_logits, rtol=1e-5, atol=1e-5)
