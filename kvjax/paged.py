@@ -102,6 +102,7 @@ class PagedKVCache:
     preempted: jax.Array
     kind: str = struct.field(pytree_node=False, default="bf16")
     group: int = struct.field(pytree_node=False, default=32)
+    value_group: int | None = struct.field(pytree_node=False, default=None)  # None: `group`
 
     @classmethod
     def init(
@@ -116,8 +117,10 @@ class PagedKVCache:
         kind: str = "bf16",
         group: int = 32,
         scale_dtype=jnp.float16,
+        value_group: int | None = None,
     ) -> PagedKVCache:
-        """An empty cache: `num_pages` pages of `page_size` tokens, rows of up to `max_len`."""
+        """An empty cache: `num_pages` pages of `page_size` tokens, rows of up to `max_len`
+        (int4: keys in groups of `group` channels, values of `value_group`, default `group`)."""
         check_page_size(page_size)
         if num_pages < 1 or batch < 1 or max_len < 1:
             raise ValueError(
@@ -127,13 +130,14 @@ class PagedKVCache:
         M = _cdiv(max_len, page_size)
         return cls(
             k=_empty_store(kind, shape, group, scale_dtype),
-            v=_empty_store(kind, shape, group, scale_dtype),
+            v=_empty_store(kind, shape, value_group or group, scale_dtype),
             block_tables=jnp.full((batch, M), NO_PAGE, jnp.int32),
             lengths=jnp.zeros((batch,), jnp.int32),
             refcount=jnp.zeros((num_pages,), jnp.int32),
             preempted=jnp.zeros((batch,), bool),
             kind=kind,
             group=group,
+            value_group=value_group,
         )
 
     @classmethod
@@ -335,13 +339,14 @@ def write(cache: PagedKVCache, layer, k_new, v_new, granted=None, keep=None) -> 
     off = (pos % page)[:, :, None]  # [B, T, 1]
     kh = jnp.arange(K)[None, None, :]  # [1, 1, K]
 
-    def put(store, x):
-        enc = quantize_pages(x, cache.kind, cache.group, _scale_dtype(store))  # leaves [B, T, K, X]
+    def put(store, x, group):
+        enc = quantize_pages(x, cache.kind, group, _scale_dtype(store))  # leaves [B, T, K, X]
         return jax.tree.map(
             lambda s, e: s.at[layer, kh, slot, off].set(e.astype(s.dtype), mode="drop"), store, enc
         )
 
-    return cache.replace(k=put(cache.k, k_new), v=put(cache.v, v_new))
+    v_group = cache.value_group or cache.group
+    return cache.replace(k=put(cache.k, k_new, cache.group), v=put(cache.v, v_new, v_group))
 
 
 def _scale_dtype(store):
@@ -541,16 +546,17 @@ PAGED_FORMATS = ("f32", "bf16", "int8", "int4")
 IMPLS = ("reference", "pallas")
 
 
-def page_kind(fmt) -> tuple[str, int]:
-    """(page kind, int4 group) storing a kvjax.formats format in pages, or a ValueError."""
+def page_kind(fmt) -> tuple[str, int, int | None]:
+    """(page kind, int4 key group, int4 value group) storing a kvjax.formats format in pages,
+    or a ValueError naming what pages support."""
     name = getattr(fmt, "name", fmt)
     if name in ("f32", "bf16", "int8"):
-        return name, 32
+        return name, 32, None
     if name == "int4" and getattr(fmt, "key_mode", "token") == "token":
-        return "int4", fmt.group
+        return "int4", fmt.group, getattr(fmt, "value_group", None)
     if name == "int4":
         raise ValueError(
-            "kv format int4 with key_mode='channel' (KIVI keys, the dense default) does not fit "
+            "kv format int4 with key_mode='channel' (per-channel KIVI keys) does not fit "
             "pages: the paged kernel reads whole tokens, so paged int4 quantizes keys per token; "
             "pass key_mode='token' (run.py: +kv_options.key_mode=token) or use layout='dense'"
         )
@@ -624,11 +630,11 @@ class PagedLayout:
         """An empty paged cache for `batch` rows of up to `max_len` tokens."""
         max_len = cfg.max_seq_len if max_len is None else max_len
         self.validate(policy, fmt, max_len)
-        kind, group = page_kind(fmt)
+        kind, group, value_group = page_kind(fmt)
         n = self.num_pages or batch * self.pages_per_row(policy, max_len)
         pages = PagedKVCache.init(
             cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, batch, n, self.page_size, max_len, kind,
-            group,
+            group, value_group=value_group,
         )
         return PagedCache(
             pages=pages,

@@ -189,7 +189,7 @@ def test_shared_prompt_pages_copy_on_write_in_the_model(policy):
 
 
 @pytest.mark.parametrize("fmt", [get_format("bf16"), get_format("int8"),
-                                 get_format("int4", group=4, key_mode="token")],
+                                 get_format("int4", group=4, value_group=8, key_mode="token")],
                          ids=["bf16", "int8", "int4-token"])
 def test_quantized_pages_match_the_dense_format(fmt):
     """Pages store kvjax.formats' per-token layouts: paged (kernel) == dense of the same format
@@ -246,7 +246,7 @@ def test_kernel_path_equals_gathered_path_with_mass():
 def test_nbytes_abstract_and_pool_size():
     cfg, _ = _model("gqa")
     pol = get_policy("streaming", budget=20, n_sink=4)
-    for fmt in (F32, get_format("int8"), get_format("int4", group=4, key_mode="token")):
+    for fmt in (F32, get_format("int8"), get_format("int4", group=4, value_group=8)):
         lay = get_layout("paged", page_size=PAGE)
         cache = lay.init(cfg, 3, pol, fmt, 64)
         real = sum(np.asarray(x).nbytes for x in jax.tree.leaves(cache))
@@ -270,7 +270,7 @@ def test_unsupported_choices_are_clear_errors():
     with pytest.raises(ValueError, match=r"'int2' is not supported.*f32, bf16, int8, int4"):
         lay.init(cfg, 1, FULL, get_format("int2"), 32)
     with pytest.raises(ValueError, match="key_mode='token'"):
-        lay.init(cfg, 1, FULL, get_format("int4", group=4), 32)
+        lay.init(cfg, 1, FULL, get_format("int4", group=4, key_mode="channel"), 32)
     with pytest.raises(ValueError, match="valid page sizes: 8, 16, 32"):
         get_layout("paged", page_size=12)
     with pytest.raises(ValueError, match=r"impl 'pallas' needs layout='paged'"):
