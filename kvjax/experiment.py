@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache, closed_form_bytes
+from kvjax.cache import closed_form_bytes, get_layout, init_cache
 from kvjax.generate import decode_step, prefill
 from kvjax.policies import POLICIES, compress_cache, get_policy
 from kvjax.results import (
@@ -94,6 +94,7 @@ class RunSpec:
     max_len: int | None = None
     sweep: str | None = None
     speed: SpeedSpec = SpeedSpec()
+    cache: tuple[tuple[str, Any], ...] = (("layout", "dense"),)  # kvjax.cache.get_layout options
     results: str = "results/results.jsonl"
     baselines: str | None = None
     wandb: WandbSpec = WandbSpec()
@@ -111,6 +112,7 @@ class Plan:
     policy: Any
     fmt: Any
     max_len: int
+    layout: Any
     point: dict
     key: str
     text: str = dataclasses.field(repr=False)
@@ -184,7 +186,8 @@ def plan(spec: RunSpec) -> Plan:
             "(or policy=full for the uncompressed cache)"
         )
     try:
-        policy.validate(max_len)
+        layout = build_layout(spec.cache)
+        layout.validate(policy, fmt, max_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if is_prefill_only(policy) and not task.has_prompt:
@@ -203,8 +206,17 @@ def plan(spec: RunSpec) -> Plan:
         text, source = load_text(getattr(task, "text_file", None))
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None
-    point = point_config(spec, policy, max_len)
-    return Plan(spec, policy, fmt, max_len, point, config_hash(point), text, source, notes)
+    point = point_config(spec, policy, max_len, layout)
+    return Plan(spec, policy, fmt, max_len, layout, point, config_hash(point), text, source, notes)
+
+
+def build_layout(options) -> Any:
+    """The cache layout of `cache.*` options; paged-only options are dropped for `dense`."""
+    opts = dict(options)
+    name = opts.pop("layout", "dense")
+    if name == "dense":
+        opts = {k: v for k, v in opts.items() if k == "impl"}
+    return get_layout(name, **opts)
 
 
 def _task_classes():
@@ -213,12 +225,13 @@ def _task_classes():
     return TASKS
 
 
-def point_config(spec: RunSpec, policy, max_len: int) -> dict:
+def point_config(spec: RunSpec, policy, max_len: int, layout=None) -> dict:
     """What identifies a point (its key is this dict's hash): the model, the policy with every
     option (defaults included, so `budget=256` and a policy default of 256 are one point), the
     format, the task, the seed, the cache length, the speed probe and the sweep name. Paths,
-    W&B settings, `force` and `progress` are left out."""
-    return to_jsonable({
+    W&B settings, `force` and `progress` are left out; the cache layout is part of the point
+    only when it is not the default dense one (so dense points keep their keys)."""
+    point = {
         "model": dataclasses.asdict(spec.model),
         "policy": {"name": policy.name, **dataclasses.asdict(policy)},
         "kv_dtype": spec.kv_dtype,
@@ -228,7 +241,10 @@ def point_config(spec: RunSpec, policy, max_len: int) -> dict:
         "max_len": max_len,
         "speed": dataclasses.asdict(spec.speed),
         "sweep": spec.sweep,
-    })
+    }
+    if layout is not None and layout != get_layout("dense"):
+        point["cache"] = {"layout": layout.name, **dataclasses.asdict(layout)}
+    return to_jsonable(point)
 
 
 # ----------------------------------------------------------------------------- model loading
@@ -304,7 +320,7 @@ def measure_speed(ctx: TaskContext, prompt: list[int], new_tokens: int):
     chunk = effective_chunk(len(prompt), ctx.policy, ctx.max_len, len(prompt))
 
     def run_prefill():
-        cache = KVCache.init(ctx.cfg, 1, ctx.policy, ctx.fmt, ctx.max_len)
+        cache = init_cache(ctx.cfg, 1, ctx.policy, ctx.fmt, ctx.max_len, ctx.layout)
         t = time.perf_counter()
         logits, cache = prefill(ctx.params, [prompt], cache, ctx.cfg, chunk)
         cache = compress_cache(cache)
@@ -392,7 +408,8 @@ def get_baseline(plan_: Plan, ctx: TaskContext, text_sha: str, result: TaskResul
     t = time.perf_counter()
     if result is None:
         full = dataclasses.replace(ctx, policy=get_policy(BASELINE_POLICY),
-                                   fmt=build_format(BASELINE_FORMAT, {}), is_baseline=True)
+                                   fmt=build_format(BASELINE_FORMAT, {}), is_baseline=True,
+                                   layout=None)
         result = plan_.spec.task.run(full)
     seconds = time.perf_counter() - t
     metrics = to_jsonable(result.metrics)
@@ -475,7 +492,8 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print) -> Outcome:
     text, source = plan_.text, plan_.text_source
     text_sha = sha256_text(text)
     ctx = TaskContext(model.params, cfg, model.tokenizer, plan_.policy, plan_.fmt,
-                      plan_.max_len, text, spec.seed, is_baseline_point(plan_), spec.progress)
+                      plan_.max_len, text, spec.seed, is_baseline_point(plan_), spec.progress,
+                      plan_.layout)
     t = time.perf_counter()
     result = spec.task.run(ctx)
     task_s = time.perf_counter() - t
@@ -588,8 +606,10 @@ def format_table(record: dict) -> str:
         ("run time", f"{t['total_s']:.1f} s", _baseline_note(m, t)),
     ]
     policy = f"{pol['name']}({opts})" if opts else pol["name"]
+    layout = pt.get("cache")
+    layout = f" | cache={layout['layout']}(page={layout['page_size']}, {layout['impl']})" if layout else ""
     head = (f"kvjax | model={pt['model']['name']} | policy={policy} | "
-            f"kv_dtype={pt['kv_dtype']} | task={pt['task']['name']}({task})")
+            f"kv_dtype={pt['kv_dtype']}{layout} | task={pt['task']['name']}({task})")
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [head, "-" * min(len(head), 100)]

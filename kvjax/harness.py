@@ -39,6 +39,14 @@ class SpeedConf:
 
 
 @dataclasses.dataclass
+class CacheConf:
+    layout: str = "dense"  # dense | paged (kvjax.cache.get_layout)
+    impl: str = "reference"  # attention: reference | pallas (paged only)
+    page_size: int = 16  # paged only
+    num_pages: int | None = None  # paged only; null: enough that no row waits
+
+
+@dataclasses.dataclass
 class WandbConf:
     mode: str = "offline"
     project: str = "kvjax"
@@ -64,6 +72,7 @@ class RunConf:
     progress: bool | None = None
     xla_cache: str | None = None
     speed: SpeedConf = dataclasses.field(default_factory=SpeedConf)
+    cache: CacheConf = dataclasses.field(default_factory=CacheConf)
     wandb: WandbConf = dataclasses.field(default_factory=WandbConf)
 
 
@@ -126,7 +135,7 @@ def spec_from_config(cfg: DictConfig) -> RunSpec:
         kv_dtype=c["kv_dtype"],
         kv_options=tuple(sorted(c["kv_options"].items())),
         budget=c["budget"], seed=c["seed"], max_len=c["max_len"], sweep=c["sweep"],
-        speed=SpeedSpec(**c["speed"]), results=_abs(c["results"]),
+        speed=SpeedSpec(**c["speed"]), cache=tuple(c["cache"].items()), results=_abs(c["results"]),
         baselines=_abs(c["baselines"]), wandb=WandbSpec(**c["wandb"]), force=c["force"],
         progress=c["progress"], config=c,
     )

@@ -264,3 +264,20 @@ def test_real_model_smoke(tmp_path, ref):
     assert nll.shape == (63,)
     if default_text().startswith(ref["text"]):  # pydoc_data differs between Pythons
         np.testing.assert_allclose(nll, ref["nll"][:63], atol=2e-3)
+
+
+def test_paged_layout_runs_from_the_cli(tmp_path):
+    """`cache.layout=paged cache.impl=pallas` reaches the task (interpret mode on CPU), is part
+    of the point key, and a policy the paged layout cannot run is refused before any work."""
+    base = [sys.executable, str(ROOT / "run.py"), "model=tiny", "task.length=48",
+            "speed.prompt=8", "speed.new_tokens=2", "wandb.mode=disabled",
+            f"results={tmp_path / 'r.jsonl'}", f"hydra.run.dir={tmp_path / 'run'}"]
+    out = subprocess.run(base + ["cache.layout=paged", "cache.impl=pallas", "policy=window",
+                                 "budget=16"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "cache=paged(page=16, pallas)" in out.stdout
+    rec = json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1])
+    assert rec["point"]["cache"]["layout"] == "paged"
+    bad = subprocess.run(base + ["cache.layout=paged", "policy=h2o", "budget=16"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode != 0 and "not supported on the paged layout" in bad.stderr

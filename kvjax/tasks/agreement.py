@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, init_cache
 from kvjax.policies import get_policy
 from kvjax.tasks.base import (
     Task,
@@ -53,7 +53,7 @@ class Agreement(Task):
         ids = text_ids(self, ctx)
         n = len(ids)
         chunk = effective_chunk(self.chunk, ctx.policy, ctx.max_len, n)
-        cache = KVCache.init(ctx.cfg, 1, ctx.policy, ctx.fmt, ctx.max_len)
+        cache = init_cache(ctx.cfg, 1, ctx.policy, ctx.fmt, ctx.max_len, ctx.layout)
         ref = None
         if not ctx.is_baseline:
             ref = KVCache.init(ctx.cfg, 1, get_policy("full"), _f32(), ctx.max_len)

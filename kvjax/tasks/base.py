@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, init_cache
 from kvjax.config import ModelConfig
 from kvjax.generate import decode_step, prefill, sample
 from kvjax.model import forward
@@ -47,6 +47,7 @@ class TaskContext:
     seed: int = 0
     is_baseline: bool = False
     progress: bool | None = None  # None: a bar only when attached to a terminal
+    layout: Any = None  # the cache layout (kvjax.cache.get_layout); None: dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +162,7 @@ def greedy_generate(ctx: TaskContext, prompts: Sequence[Sequence[int]], new_toke
                     chunk: int):
     """Prefill the prompts (right-padded, in chunks), run the after-prefill hook, then decode
     `new_tokens` greedily. Returns (tokens [B, new_tokens] numpy, final cache)."""
-    cache = KVCache.init(ctx.cfg, len(prompts), ctx.policy, ctx.fmt, ctx.max_len)
+    cache = init_cache(ctx.cfg, len(prompts), ctx.policy, ctx.fmt, ctx.max_len, ctx.layout)
     chunk = effective_chunk(chunk, ctx.policy, ctx.max_len, max(len(p) for p in prompts))
     logits, cache = prefill(ctx.params, prompts, cache, ctx.cfg, chunk)
     cache = compress_cache(cache)

@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from kvjax.cache import KVCache
+from kvjax.cache import init_cache
 from kvjax.tasks.base import (
     Task,
     TaskContext,
@@ -65,7 +65,7 @@ class Perplexity(Task):
         ids = text_ids(self, ctx)
         n = len(ids)
         chunk = effective_chunk(self.chunk, ctx.policy, ctx.max_len, n)
-        cache = KVCache.init(ctx.cfg, 1, ctx.policy, ctx.fmt, ctx.max_len)
+        cache = init_cache(ctx.cfg, 1, ctx.policy, ctx.fmt, ctx.max_len, ctx.layout)
         nll = np.zeros(n, np.float32)
         steps = list(chunked(ids, chunk))
         for s, toks, tgts, nv in bar(steps, ctx, f"perplexity ({ctx.policy.name})"):
