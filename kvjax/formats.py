@@ -846,13 +846,15 @@ def byte_table(shape=(30, 1, 3, 2048, 64)) -> list[tuple[str, int, float]]:
         ("fp8", {}),
         ("int8", {}),
         ("int4", {}),
-        ("int4", {"key_mode": "token"}),
-        ("int4", {"group": 64, "key_mode": "token"}),
+        ("int4", {"value_group": 32}),
         ("int4", {"group": 64}),
+        ("int4", {"key_mode": "channel"}),
+        ("int4", {"key_mode": "channel", "value_group": 32}),
         ("int2", {}),
         ("int2", {"key_mode": "token"}),
         ("int2", {"group": 64, "key_mode": "token"}),
-        ("int2", {"group": 64}),
+        ("int4", {"keep_layers": (0, 29)}),
+        ("int4", {"keep_heads": (0,)}),
     ]
     base = get_format("bf16").nbytes(shape)
     rows = []
