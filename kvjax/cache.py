@@ -47,6 +47,16 @@ def closed_form_bytes(cfg: ModelConfig, tokens: int, bytes_per_value: float, bat
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * tokens * bytes_per_value * batch
 
 
+def check_nonfinite(nonfinite) -> None:
+    """Raise (on the host) naming the layers whose writes saw NaN or inf: nonfinite [L] bool."""
+    bad = np.flatnonzero(np.asarray(nonfinite))
+    if bad.size:
+        raise FloatingPointError(
+            f"NaN or inf keys/values reached the KV cache in layer(s) {bad.tolist()}; "
+            "they were not silently stored as valid data (check the model inputs/weights)"
+        )
+
+
 @struct.dataclass
 class KVCache:
     """k, v: format stores (leaves [L, B, K, C, ...]); pos: [L, B, K, C] int32 (-1 = empty);
@@ -177,12 +187,7 @@ class KVCache:
 
     def check_finite(self) -> None:
         """Raise (on the host) naming the layers whose keys/values held NaN or inf."""
-        bad = np.flatnonzero(np.asarray(self.nonfinite))
-        if bad.size:
-            raise FloatingPointError(
-                f"NaN or inf keys/values reached the KV cache in layer(s) {bad.tolist()}; "
-                "they were not silently stored as valid data (check the model inputs/weights)"
-            )
+        check_nonfinite(self.nonfinite)
 
 
 @struct.dataclass
@@ -242,12 +247,7 @@ class LayerGroups:
         return self.join(g.finish(n_valid) for g in self.groups)
 
     def check_finite(self) -> None:
-        bad = np.flatnonzero(np.asarray(self.nonfinite))
-        if bad.size:
-            raise FloatingPointError(
-                f"NaN or inf keys/values reached the KV cache in layer(s) {bad.tolist()}; "
-                "they were not silently stored as valid data (check the model inputs/weights)"
-            )
+        check_nonfinite(self.nonfinite)
 
 
 @dataclasses.dataclass(frozen=True)
