@@ -390,7 +390,7 @@ def baseline_key(plan_: Plan, text_sha: str) -> str:
 
 def is_baseline_point(plan_: Plan) -> bool:
     return (plan_.policy.name == BASELINE_POLICY and plan_.spec.kv_dtype == BASELINE_FORMAT
-            and not plan_.spec.kv_options)
+            and not plan_.spec.kv_options and plan_.layout == get_layout("dense"))
 
 
 def get_baseline(plan_: Plan, ctx: TaskContext, text_sha: str, result: TaskResult | None):

@@ -37,7 +37,8 @@ def test_worked_examples_closed_form_and_abstract(n_kv, expect):
 
 def test_nbytes_is_the_sum_of_real_buffers():
     cfg = tiny_config()
-    for fmt in (get_format("f32"), get_format("int4", group=4), get_format("int2", group=8)):
+    for fmt in (get_format("f32"), get_format("int4", group=4, value_group=4),
+                get_format("int2", group=8)):
         cache = KVCache.init(cfg, 2, get_policy("window", budget=16), fmt, 64)
         real = sum(np.asarray(x).nbytes for x in jax.tree.leaves(cache))
         assert cache.nbytes() == real
