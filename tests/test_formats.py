@@ -251,19 +251,20 @@ def test_bytes_real_buffers_against_bf16():
     assert measured_ratio("f32") == 2.0
     assert measured_ratio("int8") <= 0.55
     assert measured_ratio("fp8") <= 0.55
-    assert measured_ratio("int4") <= 0.30  # the defaults meet the issue's target
-    assert measured_ratio("int4", group=64) <= 0.30
+    assert measured_ratio("int4", key_mode="token", group=32, value_group=64) <= 0.30
+    assert measured_ratio("int4", key_mode="token") <= 0.30
     assert measured_ratio("int2", key_mode="token") <= 0.20
     assert measured_ratio("int2", group=64, key_mode="token") <= 0.20
     # closed forms (per token per head, bytes; bf16 = 2 * 64 * 2 = 256 for k+v):
-    # int4 defaults: keys 32 q + 2 groups * 4 (f16 scale + zero), values 32 q + 1 group * 4
-    assert measured_ratio("int4") == 76 / 256
+    # int4 per-token keys g=32: 32 q + 2 groups * 4 (f16 scale + zero); values g=64: 32 + 4
+    assert measured_ratio("int4", key_mode="token", group=32, value_group=64) == 76 / 256
     # int4 token, g=32 for both: 2 * (32 + 8) = 80 -> 0.3125 (1/4 + 2/g)
-    assert measured_ratio("int4", value_group=32) == 80 / 256
-    # int4 channel keys, g=32: keys 32 q + 8 channel params + 8 fallback rows
-    # + 4 residual (32 x 64 f32 / 2048 slots), plus res_group/res_mask
-    assert measured_ratio("int4", key_mode="channel", value_group=None) == pytest.approx(
-        (52 + 40) / 256, abs=1e-3)
+    assert measured_ratio("int4", key_mode="token", group=32) == 80 / 256
+    # int4 defaults, channel keys g=64: keys 32 q + 4 channel params + 4 fallback rows
+    # + 8 residual (64 x 64 f32 / 2048 slots) + res_group/res_mask; values g=64: 32 + 4
+    assert measured_ratio("int4") == pytest.approx((48 + 36) / 256, abs=1e-3)
+    # KIVI at g=32: keys 32 + 8 + 8 + 4 (residual 32), values 32 + 8
+    assert measured_ratio("int4", group=32) == pytest.approx((52 + 40) / 256, abs=1e-3)
     assert measured_ratio("int2") == pytest.approx((36 + 24) / 256, abs=1e-3)
 
 
@@ -274,8 +275,8 @@ ALL = [
     ("bf16", {}),
     ("fp8", {}),
     ("int8", {}),
-    ("int4", {"group": 8, "key_mode": "channel", "value_group": None}),
-    ("int4", {"group": 8, "value_group": 16}),  # the defaults' layout: token keys, wide values
+    ("int4", {"group": 8, "value_group": 16}),  # the defaults' layout: wider value groups
+    ("int4", {"group": 8, "key_mode": "token", "value_group": None}),
     ("int2", {"group": 16, "key_mode": "token"}),
 ]  # int2 per-channel keys: the same code path as int4 (tested below with int2 and int4)
 
@@ -528,7 +529,7 @@ ATTN_BOUND = {"f32": 0.0, "bf16": 5e-3, "fp8": 5e-2, "int8": 1e-2, "int4": 0.12,
         ("fp8", {}),
         ("int8", {}),
         ("int4", {}),
-        ("int4", {"key_mode": "channel"}),
+        ("int4", {"key_mode": "token"}),
         ("int2", {}),
         ("int2", {"key_mode": "token"}),
     ],

@@ -23,9 +23,10 @@ PROMPT, CHUNK, STEPS = 24, 8, 5
 SEQ = PROMPT + STEPS
 MAX_LEN = 32  # the full policy's capacity (a multiple of the group)
 SMALL, LARGE = 16, 32  # an eviction budget; a budget the whole sequence fits in
-INT_OPTS = {"group": 8, "value_group": 8, "residual": 8}  # defaults' layouts, tiny groups
+INT_OPTS = {"group": 8, "value_group": 8, "residual": 8}  # tiny groups, channel keys
 FORMATS = {name: INT_OPTS if name in ("int4", "int2") else {} for name in sorted(REGISTERED)}
-FORMATS["int4-keep"] = dict(INT_OPTS, key_mode="channel", keep_layers=(1,), keep_heads=(0,))
+FORMATS["int4-token"] = dict(INT_OPTS, key_mode="token")
+FORMATS["int4-keep"] = dict(INT_OPTS, keep_layers=(1,), keep_heads=(0,))  # kv_keep
 
 
 def make_format(label: str):
@@ -99,9 +100,9 @@ def run(params, ids, policy, fmt):
     return np.asarray(jnp.stack(out)), hooked, cache
 
 
-KEEP_POLICIES = ("h2o", "snapkv", "window")  # kv_keep routes like its base format: a sample
+SAMPLED = ("h2o", "snapkv", "window")  # variants that route like their base format: a sample
 MATRIX = [(p, f) for p in sorted(POLICIES) for f in FORMATS
-          if f not in ("f32", "int4-keep") or (f == "int4-keep" and p in KEEP_POLICIES)]
+          if (f in REGISTERED and f != "f32") or (f not in REGISTERED and p in SAMPLED)]
 
 
 @pytest.mark.parametrize("name,fmt_label", MATRIX, ids=[f"{p}-{f}" for p, f in MATRIX])
