@@ -246,7 +246,7 @@ def test_kernel_path_equals_gathered_path_with_mass():
 def test_nbytes_abstract_and_pool_size():
     cfg, _ = _model("gqa")
     pol = get_policy("streaming", budget=20, n_sink=4)
-    for fmt in (F32, get_format("int8"), get_format("int4", group=4, value_group=8)):
+    for fmt in (F32, get_format("int8"), get_format("int4", group=4, value_group=8, key_mode="token")):
         lay = get_layout("paged", page_size=PAGE)
         cache = lay.init(cfg, 3, pol, fmt, 64)
         real = sum(np.asarray(x).nbytes for x in jax.tree.leaves(cache))
