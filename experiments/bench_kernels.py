@@ -30,6 +30,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from kvjax.kernels import paged_attention as pa
 
 H200_TBPS = 4.8

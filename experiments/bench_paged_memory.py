@@ -28,9 +28,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kvjax.kernels.paged_attention import quantize_pages
 
 from kvjax import paged
+from kvjax.kernels.paged_attention import quantize_pages
 
 L, K, E = 30, 3, 64  # SmolLM2-135M
 MAX_LEN = 2048

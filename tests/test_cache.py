@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kvjax.policies import get_policy
 
 from kvjax.cache import KVCache, closed_form_bytes
 from kvjax.config import ModelConfig, tiny_config
 from kvjax.formats import get_format
 from kvjax.model import forward_jit as forward
 from kvjax.model import init_params
+from kvjax.policies import get_policy
 
 GiB, MiB = 2**30, 2**20
 

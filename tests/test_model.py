@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kvjax.policies import get_policy
 
 from kvjax.cache import KVCache
 from kvjax.config import tiny_config
@@ -15,6 +14,7 @@ from kvjax.formats import get_format
 from kvjax.generate import check_fits, decode_step, generate, prefill, sample
 from kvjax.model import forward_jit as forward
 from kvjax.model import init_params
+from kvjax.policies import get_policy
 
 F32 = get_format("f32")
 FULL = get_policy("full")

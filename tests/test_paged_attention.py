@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from kvjax.kernels import paged_attention as pa
 
 INTERPRET = jax.devices()[0].platform != "gpu"

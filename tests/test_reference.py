@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kvjax.policies import get_policy
 
 from kvjax.cache import KVCache
 from kvjax.formats import get_format
 from kvjax.generate import generate
 from kvjax.model import forward_jit
+from kvjax.policies import get_policy
 
 pytestmark = pytest.mark.slow
 F32, FULL = get_format("f32"), get_policy("full")
