@@ -53,7 +53,7 @@ PPL_FORMATS = (
     "int4:key_mode=token", "int4:key_mode=token:group=32:value_group=64",
     "int2", "int2:key_mode=token", "int4:keep_layers=0",
 )
-SPEED_FORMATS = ("f32", "bf16", "int8", "int4", "int4:key_mode=channel", "int2")
+SPEED_FORMATS = ("f32", "bf16", "int8", "int4", "int4:key_mode=token", "int2")
 
 
 def parse_format(spec: str):
