@@ -13,7 +13,11 @@ Formats: f32, bf16, fp8 (e4m3, per-token scale), int8 (symmetric, per token), in
 (asymmetric, groupwise, packed into uint8). Values, and keys with key_mode="token", are
 quantized per token with groups along E. Keys with key_mode="channel" (the default, as in KIVI)
 are quantized per channel with groups of `group` consecutive slots; see `_IntFormat` and
-docs/formats.md for the rule that keeps this correct under arbitrary eviction.
+docs/formats.md for the rule that keeps this correct under arbitrary eviction. bf16 and fp8
+codes are held as their raw bits (uint16 / uint8; see `float_bits`).
+
+Mixed precision (kv_keep): `get_format(name, keep_layers=..., keep_heads=...)` wraps a format in
+`Mixed`, which keeps those layers / kv heads in bf16 or f32 and stores only the rest quantized.
 
 Scales and zero points are float16 (11-bit significand: a rounded zero point widens the
 range far less than with bfloat16's 8 bits; KV activations stay well inside +-65504). They are
