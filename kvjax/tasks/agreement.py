@@ -11,70 +11,42 @@ import dataclasses
 
 import numpy as np
 
-from kvjax.cache import KVCache, init_cache
+from kvjax.cache import KVCache
 from kvjax.policies import get_policy
-from kvjax.tasks.base import (
-    Task,
-    TaskContext,
-    TaskResult,
-    agreement_chunk,
-    bar,
-    check_positive,
-    chunked,
-    effective_chunk,
-    nll_chunk,
-    register,
-)
-from kvjax.tasks.perplexity import running_mean, text_ids
+from kvjax.tasks.base import TaskContext, TaskResult, agreement_chunk, nll_chunk, register
+from kvjax.tasks.streaming import TextTask, running_mean, stream_text
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Agreement(Task):
+class Agreement(TextTask):
     """Agreement with the full cache over the first `length` tokens of the text."""
 
     name = "agreement"
     metric = "kl"
     higher_is_better = False
-    has_prompt = False
     length: int = 512
-    chunk: int = 128
-    text_file: str | None = None
-
-    def seq_len(self) -> int:
-        return self.length
-
-    def validate(self) -> None:
-        check_positive(self, length=self.length, chunk=self.chunk)
-        if self.length < 2:
-            raise ValueError(f"task 'agreement': length={self.length} must be >= 2")
 
     def run(self, ctx: TaskContext) -> TaskResult:
-        ids = text_ids(self, ctx)
-        n = len(ids)
-        chunk = effective_chunk(self.chunk, ctx.policy, ctx.max_len, n)
-        cache = init_cache(ctx.cfg, 1, ctx.policy, ctx.fmt, ctx.max_len, ctx.layout)
         ref = None
         if not ctx.is_baseline:
             ref = KVCache.init(ctx.cfg, 1, get_policy("full"), _f32(), ctx.max_len)
-        kl, top1, nll, ref_nll = (np.zeros(n, np.float32) for _ in range(4))
-        steps = list(chunked(ids, chunk))
-        for s, toks, tgts, nv in bar(steps, ctx, f"agreement ({ctx.policy.name})"):
-            m = int(nv[0])
-            if ref is None:
+
+        def step(toks, tgts, nv, cache):
+            nonlocal ref
+            if ref is None:  # the run is the full cache: it agrees with itself
                 out, cache = nll_chunk(ctx.params, toks, tgts, nv, cache, ctx.cfg)
-                nll[s:s + m] = ref_nll[s:s + m] = np.asarray(out[0, :m])
-                top1[s:s + m] = 1.0
-            else:
-                k, t1, o, r, cache, ref = agreement_chunk(ctx.params, toks, tgts, nv, cache, ref,
-                                                          ctx.cfg)
-                kl[s:s + m] = np.asarray(k[0, :m])
-                top1[s:s + m] = np.asarray(t1[0, :m])
-                nll[s:s + m], ref_nll[s:s + m] = np.asarray(o[0, :m]), np.asarray(r[0, :m])
-        cache.check_finite()
+                return {"nll": out, "ref_nll": out, "top1": np.ones(out.shape, np.float32)}, cache
+            k, t1, o, r, cache, ref = agreement_chunk(ctx.params, toks, tgts, nv, cache, ref,
+                                                      ctx.cfg)
+            return {"kl": k, "top1": t1, "nll": o, "ref_nll": r}, cache
+
+        st = stream_text(self, ctx, step, ("kl", "top1", "nll", "ref_nll"))
+        n, chunk = st.n, st.chunk
+        kl, top1, nll, ref_nll = (st.values[k] for k in ("kl", "top1", "nll", "ref_nll"))
         # scored positions: all n (KL/top-1 need no target); nll: the n - 1 with a target
         nll, ref_nll = nll[: n - 1], ref_nll[: n - 1]
-        ends = [min(s + chunk, n) for s, *_ in steps]
+        ends = [min(s + chunk, n) for s in st.starts]
         return TaskResult(
             metrics={
                 "kl": float(kl.mean(dtype=np.float64)), "top1": float(top1.mean()),
@@ -85,7 +57,7 @@ class Agreement(Task):
             arrays={"kl": kl, "top1": top1.astype(np.float32), "nll": nll},
             curves={"step": ends, "running_kl": running_mean(kl, ends),
                     "running_top1": running_mean(top1, ends)},
-            cache=cache,
+            cache=st.cache,
         )
 
 
