@@ -14,18 +14,16 @@ import dataclasses
 import numpy as np
 
 from kvjax.tasks.base import (
-    Task,
     TaskContext,
     TaskResult,
     bar,
-    chat_frame,
     check_depths,
     check_positive,
     contains_answer,
     greedy_generate,
     register,
 )
-from kvjax.tasks.passkey import random_key
+from kvjax.tasks.retrieval import RetrievalTask, planted_prompt, random_key
 from kvjax.tasks.text import encode_prefix
 
 NEEDLE = " The special magic number is {key}. "
@@ -43,34 +41,29 @@ def sentence_boundary(tokenizer, ids: list[int], pos: int, window: int = 64) -> 
 
 def needle_prompt(tokenizer, haystack: list[int], length: int, depth: float, key: int):
     """A chat prompt of exactly `length` ids: haystack prefix with the needle at `depth`."""
-    before, after = chat_frame(tokenizer)
-    needle, question = tokenizer.encode(NEEDLE.format(key=key)), tokenizer.encode(QUESTION)
-    answer = tokenizer.encode(ANSWER)
-    fixed = len(before) + len(needle) + len(question) + len(after) + len(answer)
-    n_hay = length - fixed
-    if n_hay < 1:
-        raise ValueError(
-            f"task 'needle': length {length} is too short for the prompt's fixed parts "
-            f"({fixed} tokens); use lengths >= {fixed + 16}"
-        )
-    if n_hay > len(haystack):
-        raise ValueError(
-            f"task 'needle': the text has {len(haystack)} tokens, too few for length {length}"
-        )
-    hay = haystack[:n_hay]
-    at = sentence_boundary(tokenizer, hay, round(depth * n_hay))
-    return before + hay[:at] + needle + hay[at:] + question + after + answer
+
+    def fill(n_hay: int, fixed: int) -> tuple[list[int], int]:
+        if n_hay < 1:
+            raise ValueError(
+                f"task 'needle': length {length} is too short for the prompt's fixed parts "
+                f"({fixed} tokens); use lengths >= {fixed + 16}"
+            )
+        if n_hay > len(haystack):
+            raise ValueError(
+                f"task 'needle': the text has {len(haystack)} tokens, too few for length {length}"
+            )
+        hay = haystack[:n_hay]
+        return hay, sentence_boundary(tokenizer, hay, round(depth * n_hay))
+
+    return planted_prompt(tokenizer, length, NEEDLE.format(key=key), QUESTION, ANSWER, fill)
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Needle(Task):
+class Needle(RetrievalTask):
     """Retrieval accuracy per (depth, length) cell; the metric is the grid's mean."""
 
     name = "needle"
-    metric = "accuracy"
-    higher_is_better = True
-    has_prompt = True
     lengths: tuple[int, ...] = (256, 512, 1024)
     depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     n_samples: int = 1
@@ -90,11 +83,7 @@ class Needle(Task):
         for n in self.lengths:
             check_positive(self, length=n)
         check_depths(self, self.depths)
-        if self.new_tokens < self.digits:
-            raise ValueError(
-                f"task 'needle': new_tokens={self.new_tokens} cannot hold a {self.digits}-digit "
-                f"number (digits are single tokens); use new_tokens >= {self.digits + 2}"
-            )
+        self.check_new_tokens("number")
 
     def run(self, ctx: TaskContext) -> TaskResult:
         haystack = encode_prefix(ctx.tokenizer, ctx.text, max(self.lengths))

@@ -14,16 +14,15 @@ import dataclasses
 import numpy as np
 
 from kvjax.tasks.base import (
-    Task,
     TaskContext,
     TaskResult,
-    chat_frame,
     check_depths,
     check_positive,
     contains_answer,
     greedy_generate,
     register,
 )
+from kvjax.tasks.retrieval import RetrievalTask, planted_prompt, random_key
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
          "Find it and memorize it. I will quiz you about it.\n\n")
@@ -33,38 +32,29 @@ QUESTION = "\n\nWhat is the pass key?"
 ANSWER = "The pass key is"
 
 
-def random_key(seed: int, digits: int) -> int:
-    rng = np.random.default_rng(seed)
-    return int(rng.integers(10 ** (digits - 1), 10**digits))
-
-
 def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
     """A chat prompt of exactly `length` ids with the key sentence at `depth` of the filler."""
-    before, after = chat_frame(tokenizer)
-    intro, key_ids = tokenizer.encode(INTRO), tokenizer.encode(KEY.format(key=key))
-    question, answer = tokenizer.encode(QUESTION), tokenizer.encode(ANSWER)
     unit = tokenizer.encode(FILLER)
-    fixed = len(before) + len(intro) + len(key_ids) + len(question) + len(after) + len(answer)
-    n_fill = length - fixed
-    if n_fill < 0:
-        raise ValueError(
-            f"task 'passkey': length={length} is too short for the prompt's fixed parts "
-            f"({fixed} tokens); use length >= {fixed + len(unit)}"
-        )
-    filler = (unit * (n_fill // len(unit) + 1))[:n_fill]
-    at = min(round(depth * (n_fill // len(unit))) * len(unit), n_fill)
-    return before + intro + filler[:at] + key_ids + filler[at:] + question + after + answer
+
+    def fill(n_fill: int, fixed: int) -> tuple[list[int], int]:
+        if n_fill < 0:
+            raise ValueError(
+                f"task 'passkey': length={length} is too short for the prompt's fixed parts "
+                f"({fixed} tokens); use length >= {fixed + len(unit)}"
+            )
+        filler = (unit * (n_fill // len(unit) + 1))[:n_fill]
+        return filler, min(round(depth * (n_fill // len(unit))) * len(unit), n_fill)
+
+    return planted_prompt(tokenizer, length, KEY.format(key=key), QUESTION, ANSWER, fill,
+                          intro=INTRO)
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Passkey(Task):
+class Passkey(RetrievalTask):
     """Accuracy of retrieving a `digits`-digit pass key over `n_samples` seeded prompts."""
 
     name = "passkey"
-    metric = "accuracy"
-    higher_is_better = True
-    has_prompt = True
     length: int = 1024
     depth: float = 0.5
     n_samples: int = 5
@@ -79,11 +69,7 @@ class Passkey(Task):
         check_positive(self, length=self.length, n_samples=self.n_samples, digits=self.digits,
                        new_tokens=self.new_tokens, chunk=self.chunk)
         check_depths(self, [self.depth])
-        if self.new_tokens < self.digits:
-            raise ValueError(
-                f"task 'passkey': new_tokens={self.new_tokens} cannot hold a {self.digits}-digit "
-                f"key (digits are single tokens); use new_tokens >= {self.digits + 2}"
-            )
+        self.check_new_tokens("key")
 
     def run(self, ctx: TaskContext) -> TaskResult:
         keys = [random_key(ctx.seed * 100003 + i, self.digits) for i in range(self.n_samples)]
