@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 
 from kvjax.config import ModelConfig
+from kvjax.loading.params import GGUF_NAMES, assemble_params
 
 T = gguf.GGMLQuantizationType
 
@@ -138,6 +139,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+
 def load_gguf(
     src: str | os.PathLike | gguf.GGUFReader, name: str | None = None
 ) -> tuple[ModelConfig, dict]:
@@ -145,56 +147,11 @@ def load_gguf(
     reader = _as_reader(src)
     cfg = config_from_gguf(reader, name=name)
     tensors = {t.name: t for t in reader.tensors}
-    L, D, H, K, E, F, V = (
-        cfg.n_layers,
-        cfg.d_model,
-        cfg.n_heads,
-        cfg.n_kv_heads,
-        cfg.head_dim,
-        cfg.d_ff,
-        cfg.vocab_size,
-    )
 
-    def get(tname: str, shape: tuple[int, ...]) -> np.ndarray:
+    def read(tname: str) -> np.ndarray:
         t = tensors.get(tname)
         if t is None:
             raise ValueError(f"GGUF file {reader.data.filename} lacks tensor {tname!r}")
-        w = dequantize(t)
-        if w.shape != shape:
-            raise ValueError(
-                f"tensor {tname!r} has shape {w.shape}, expected {shape} from the metadata"
-            )
-        return w
+        return dequantize(t)
 
-    layer_shapes = {
-        "attn_norm": (D,),
-        "wq": (D, H, E),
-        "wk": (D, K, E),
-        "wv": (D, K, E),
-        "wo": (H, E, D),
-        "mlp_norm": (D,),
-        "w_gate": (D, F),
-        "w_up": (D, F),
-        "w_down": (F, D),
-    }
-    layers = {k: np.empty((L, *s), np.float32) for k, s in layer_shapes.items()}
-    for i in range(L):
-        b = f"blk.{i}."
-        layers["attn_norm"][i] = get(b + "attn_norm.weight", (D,))
-        layers["wq"][i] = unpermute_qk(get(b + "attn_q.weight", (H * E, D)), H).T.reshape(D, H, E)
-        layers["wk"][i] = unpermute_qk(get(b + "attn_k.weight", (K * E, D)), K).T.reshape(D, K, E)
-        layers["wv"][i] = get(b + "attn_v.weight", (K * E, D)).T.reshape(D, K, E)
-        layers["wo"][i] = get(b + "attn_output.weight", (D, H * E)).T.reshape(H, E, D)
-        layers["mlp_norm"][i] = get(b + "ffn_norm.weight", (D,))
-        layers["w_gate"][i] = get(b + "ffn_gate.weight", (F, D)).T
-        layers["w_up"][i] = get(b + "ffn_up.weight", (F, D)).T
-        layers["w_down"][i] = get(b + "ffn_down.weight", (D, F)).T
-
-    params = {
-        "embed": get("token_embd.weight", (V, D)),
-        "layers": layers,
-        "final_norm": get("output_norm.weight", (D,)),
-    }
-    if not cfg.tie_embeddings:
-        params["lm_head"] = np.ascontiguousarray(get("output.weight", (V, D)).T)
-    return cfg, params
+    return cfg, assemble_params(cfg, GGUF_NAMES, read, "the metadata", fix_qk=unpermute_qk)

@@ -15,6 +15,7 @@ import numpy as np
 from safetensors import safe_open
 
 from kvjax.config import ModelConfig
+from kvjax.loading.params import HF_NAMES, assemble_params
 from kvjax.loading.tokenizer import Tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -84,45 +85,11 @@ def load_hf_dir(
         raise FileNotFoundError(f"{path} is not a HF checkpoint directory (no config.json)")
     cfg = config_from_hf(json.loads((path / "config.json").read_text()), name or path.name)
     raw = _read_tensors(path)
-    L, D, H, K, E, F, V = (
-        cfg.n_layers,
-        cfg.d_model,
-        cfg.n_heads,
-        cfg.n_kv_heads,
-        cfg.head_dim,
-        cfg.d_ff,
-        cfg.vocab_size,
-    )
 
-    def get(key: str, shape: tuple[int, ...]) -> np.ndarray:
+    def read(key: str) -> np.ndarray:
         if key not in raw:
             raise ValueError(f"checkpoint {path} lacks tensor {key!r}")
-        w = np.asarray(raw[key]).astype(np.float32)
-        if w.shape != shape:
-            raise ValueError(
-                f"tensor {key!r} has shape {w.shape}, expected {shape} from config.json"
-            )
-        return w
+        return np.asarray(raw[key]).astype(np.float32)
 
-    def stack(fn) -> np.ndarray:
-        return np.stack([fn(f"model.layers.{i}.") for i in range(L)])
-
-    layers = {
-        "attn_norm": stack(lambda p: get(p + "input_layernorm.weight", (D,))),
-        "wq": stack(lambda p: get(p + "self_attn.q_proj.weight", (H * E, D)).T.reshape(D, H, E)),
-        "wk": stack(lambda p: get(p + "self_attn.k_proj.weight", (K * E, D)).T.reshape(D, K, E)),
-        "wv": stack(lambda p: get(p + "self_attn.v_proj.weight", (K * E, D)).T.reshape(D, K, E)),
-        "wo": stack(lambda p: get(p + "self_attn.o_proj.weight", (D, H * E)).T.reshape(H, E, D)),
-        "mlp_norm": stack(lambda p: get(p + "post_attention_layernorm.weight", (D,))),
-        "w_gate": stack(lambda p: get(p + "mlp.gate_proj.weight", (F, D)).T),
-        "w_up": stack(lambda p: get(p + "mlp.up_proj.weight", (F, D)).T),
-        "w_down": stack(lambda p: get(p + "mlp.down_proj.weight", (D, F)).T),
-    }
-    params = {
-        "embed": get("model.embed_tokens.weight", (V, D)),
-        "layers": layers,
-        "final_norm": get("model.norm.weight", (D,)),
-    }
-    if not cfg.tie_embeddings:
-        params["lm_head"] = np.ascontiguousarray(get("lm_head.weight", (V, D)).T)
+    params = assemble_params(cfg, HF_NAMES, read, "config.json")
     return cfg, params, Tokenizer.from_hf_dir(path)
