@@ -258,6 +258,32 @@ def _paged_kernel(
 # --------------------------------------------------------------------------- wrapper
 
 
+def _valid_tokens(block_tables, lengths, page, n_pool):
+    """[B, M*page] bool: token slots below each row's length on a page inside the pool."""
+    tok = jnp.arange(block_tables.shape[1] * page)
+    bt_ok = jnp.repeat((block_tables >= 0) & (block_tables < n_pool), page, axis=1)  # [B, T]
+    return (tok[None, :] < lengths[:, None]) & bt_ok
+
+
+def _probs(scores, valid, lse):
+    """Attention probabilities exp(scores - lse) [B, K, G, T], 0 on invalid slots and for rows
+    with no attended token (lse = -inf). valid broadcasts to scores, lse is [B, K, G, 1]."""
+    norm = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.where(valid, jnp.exp(scores - norm), 0.0)
+
+
+def _outputs(q, o, mass=None, lse=None):
+    """What both entry points return: o [B, K, G, E] as [B, H, E] in q's dtype, then the mass
+    [B, K, T] and the lse [B, K, G] as [B, H] where given."""
+    B, H, E = q.shape
+    outs = [o.reshape(B, H, E).astype(q.dtype)]
+    if mass is not None:
+        outs.append(mass)
+    if lse is not None:
+        outs.append(lse.reshape(B, H))
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
 def _as_5d(pages):
     """[K, P, page, X] leaves -> [1, K, P, page, X]; [L, K, P, page, X] unchanged."""
     return jax.tree.map(lambda x: x[None] if x.ndim == 4 else x, pages)
@@ -548,18 +574,12 @@ def _paged_attention(
         lse_all = jnp.logaddexp(lse, extra_lse.reshape(B, K, G))  # [B, K, G]
         o = o * jnp.where(l > 0, jnp.exp(lse - lse_all), 0.0)[..., None]
         lse = lse_all
-    outs_ = [o.reshape(B, H, E).astype(q.dtype)]
+    mass = None
     if return_mass:
         scores = outs[3][:, :, :G, : M * page]  # [B, K, G, T]
-        tok = jnp.arange(M * page)
-        bt_ok = jnp.repeat((block_tables >= 0) & (block_tables < P), page, axis=1)  # [B, T]
-        valid = (tok[None, :] < lengths[:, None]) & bt_ok  # [B, T]
-        norm = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]  # [B, K, G, 1]
-        probs = jnp.where(valid[:, None, None, :], jnp.exp(scores - norm), 0.0)  # [B, K, G, T]
-        outs_.append(probs.sum(axis=2))  # [B, K, T]
-    if return_lse:
-        outs_.append(lse.reshape(B, H))
-    return outs_[0] if len(outs_) == 1 else tuple(outs_)
+        valid = _valid_tokens(block_tables, lengths, page, P)[:, None, None, :]  # [B, 1, 1, T]
+        mass = _probs(scores, valid, lse[..., None]).sum(axis=2)  # [B, K, T]
+    return _outputs(q, o, mass, lse if return_lse else None)
 
 
 # --------------------------------------------------------------------------- reference
@@ -594,16 +614,13 @@ def paged_attention_reference(
     B, H, E = q.shape
     page = jax.tree.leaves(k_pages)[0].shape[-2]
     n_pool = jax.tree.leaves(k_pages)[0].shape[-3]
-    M = block_tables.shape[1]
     k = gather_pages(k_pages, block_tables, layer)  # [B, K, T, E]
     v = gather_pages(v_pages, block_tables, layer)  # [B, K, T, E]
     K = k.shape[1]
     qg = q.reshape(B, K, H // K, E).astype(jnp.float32)  # [B, K, G, E]
     scale = 1.0 / math.sqrt(E) if sm_scale is None else sm_scale
     s = jnp.einsum("BKGE,BKTE->BKGT", qg, k, precision=lax.Precision.HIGHEST) * scale
-    tok = jnp.arange(M * page)
-    bt_ok = jnp.repeat((block_tables >= 0) & (block_tables < n_pool), page, axis=1)  # [B, T]
-    valid = ((tok[None, :] < lengths[:, None]) & bt_ok)[:, None, None, :]  # [B, 1, 1, T]
+    valid = _valid_tokens(block_tables, lengths, page, n_pool)[:, None, None, :]  # [B, 1, 1, T]
     s = jnp.where(valid, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)  # [B, K, G, 1]
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -612,13 +629,7 @@ def paged_attention_reference(
     lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
     if extra_lse is not None:
         lse = jnp.logaddexp(lse, extra_lse.reshape(B, K, H // K, 1).astype(jnp.float32))
-    norm = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    p = jnp.where(valid, jnp.exp(s - norm), 0.0)  # [B, K, G, T]
+    p = _probs(s, valid, lse)  # [B, K, G, T]
     v = jnp.where(valid[:, :, 0, :, None], v, 0.0)
     o = jnp.einsum("BKGT,BKTE->BKGE", p, v, precision=lax.Precision.HIGHEST)  # [B, K, G, E]
-    outs = [o.reshape(B, H, E).astype(q.dtype)]
-    if return_mass:
-        outs.append(p.sum(axis=2))  # [B, K, T]
-    if return_lse:
-        outs.append(lse.reshape(B, H))
-    return outs[0] if len(outs) == 1 else tuple(outs)
+    return _outputs(q, o, p.sum(axis=2) if return_mass else None, lse if return_lse else None)
