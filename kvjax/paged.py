@@ -36,6 +36,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.attention import attention, rope
+from kvjax.cache import check_nonfinite
 from kvjax.kernels.paged_attention import (
     NO_PAGE,
     VALID_PAGE_SIZES,
@@ -734,12 +735,7 @@ class PagedCache:
 
     def check_finite(self) -> None:
         """Raise on the host for NaN/inf keys/values or preempted rows / broken tables."""
-        bad = np.flatnonzero(np.asarray(self.nonfinite))
-        if bad.size:
-            raise FloatingPointError(
-                f"NaN or inf keys/values reached the KV cache in layer(s) {bad.tolist()}; "
-                "they were not silently stored as valid data (check the model inputs/weights)"
-            )
+        check_nonfinite(self.nonfinite)
         check(self.pages)
 
     def share_prefix(self, src, dst, n_tokens=None) -> PagedCache:
