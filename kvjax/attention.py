@@ -20,15 +20,28 @@ def rms_norm(x, w, eps: float):
     return (x32 * inv * w).astype(x.dtype)
 
 
-def rope(x, positions, theta: float):
+def rope_table(n: int, E: int, theta: float):
+    """cos, sin [n, E/2] of positions 0..n-1. n, E and theta are static, so XLA folds the table
+    into a constant: rotating by table lookup costs no cos/sin at run time."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))  # [E/2]
+    ang = jnp.arange(n, dtype=jnp.float32)[:, None] * inv_freq  # [n, E/2]
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def rope(x, positions, theta: float, table=None):
     """Rotary embedding, HF `rotate_half` convention (pairs are the two halves of E).
 
-    x: [..., E]; positions: x.shape[:-1] (int; -1 padding is harmless).
+    x: [..., E]; positions: x.shape[:-1] (int; -1 padding is harmless). table: `rope_table`
+    (cos, sin) covering every position, looked up instead of computed.
     """
     E = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))  # [E/2]
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., E/2]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if table is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))  # [E/2]
+        ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., E/2]
+        cos, sin = jnp.cos(ang), jnp.sin(ang)
+    else:
+        idx = jnp.clip(positions, 0, table[0].shape[0] - 1)
+        cos, sin = table[0][idx], table[1][idx]  # [..., E/2]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [..., E/2] each
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -40,8 +53,10 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache):
     q:        [B, T, H, E]   queries of the chunk (RoPE applied)
     k_new:    [B, T, K, E]   the chunk's keys (RoPE applied), v_new likewise
     pos_new:  [B, T]         absolute positions of the chunk, -1 = padding
-    k_cache:  [B, K, C, E]   dequantized cached keys of this layer, v_cache likewise
-    pos_cache:[B, K, C]      position held by each slot, -1 = empty
+    k_cache:  [B, K, C, E]   dequantized cached keys of this layer, v_cache likewise; or
+              [B, 1, C, E]   one slot pool shared by the K kv heads (per-head budgets), each
+                             head seeing only the slots `pos_cache` gives it
+    pos_cache:[B, K, C]      position held by each slot for each kv head, -1 = empty/not its own
 
     Returns out [B, T, H, E] and probs [B, K, T, C + T]: attention probabilities summed over
     the G query heads of each kv group (cache slots first, then the chunk), zero for padding
@@ -51,7 +66,12 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache):
     K = k_new.shape[2]
     G = H // K
     qg = q.reshape(B, T, K, G, E).astype(jnp.float32) * (E**-0.5)  # [B, T, K, G, E]
-    s_cache = jnp.einsum("BTKGE,BKSE->BKGTS", qg, k_cache.astype(jnp.float32))  # [B, K, G, T, C]
+    pooled = k_cache.shape[1] != K  # a shared slot pool: no copy per kv head
+    kc = k_cache.astype(jnp.float32)
+    if pooled:
+        s_cache = jnp.einsum("BTKGE,BSE->BKGTS", qg, kc[:, 0])  # [B, K, G, T, C]
+    else:
+        s_cache = jnp.einsum("BTKGE,BKSE->BKGTS", qg, kc)  # [B, K, G, T, C]
     s_new = jnp.einsum("BTKGE,BSKE->BKGTS", qg, k_new.astype(jnp.float32))  # [B, K, G, T, T]
 
     q_valid = pos_new >= 0  # [B, T]
@@ -65,6 +85,10 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache):
     p = jax.nn.softmax(s, axis=-1)
     p = jnp.where(q_valid[:, None, None, :, None], p, 0.0)
     C = k_cache.shape[2]
-    out = jnp.einsum("BKGTS,BKSE->BTKGE", p[..., :C], v_cache.astype(jnp.float32))
+    vc = v_cache.astype(jnp.float32)
+    if pooled:
+        out = jnp.einsum("BKGTS,BSE->BTKGE", p[..., :C], vc[:, 0])  # [B, T, K, G, E]
+    else:
+        out = jnp.einsum("BKGTS,BKSE->BTKGE", p[..., :C], vc)  # [B, T, K, G, E]
     out = out + jnp.einsum("BKGTS,BSKE->BTKGE", p[..., C:], v_new.astype(jnp.float32))
     return out.reshape(B, T, H, E).astype(q.dtype), p.sum(axis=2)  # [B, T, H, E], [B, K, T, C+T]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.attention import attention, rope
+from kvjax.attention import attention, rope, rope_table
 from kvjax.config import ModelConfig
 from kvjax.policies.base import LayerView
 
@@ -80,6 +80,8 @@ class KVCache:
         policy.validate(max_len)
         if len(policy.layer_groups(cfg.n_layers, max_len)) > 1:
             return LayerGroups.init(cfg, batch, policy, fmt, max_len)
+        if policy.head_pool and cls is KVCache:
+            return HeadPool.init(cfg, batch, policy, fmt, max_len)
         L, K, E = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         C = policy.capacity(max_len)
         stats = policy.init_stats(batch, K, C)
@@ -110,6 +112,10 @@ class KVCache:
     def kv_nbytes(self) -> int:
         """Bytes of the stored keys and values alone (format metadata included)."""
         return _bytes((self.k, self.v))
+
+    def head_slots(self) -> jax.Array:
+        """Slots each kv head holds: [L, B, K] int32."""
+        return jnp.sum(self.pos >= 0, axis=-1, dtype=jnp.int32)
 
     def layer_view(self, layer) -> LayerView:
         """One layer as the policy and attention see it (k/v dequantized, one layer only)."""
@@ -169,7 +175,11 @@ class KVCache:
         layer's slots and itself: out [B, T, H, E], probs [B, K, T, C + T]."""
         q, _ = self._rotated(view, q, pos_new, rope_theta)
         k, key_pos = self._rotated(view, k, pos_new, rope_theta)
-        k_cached = view.k if key_pos is None else rope(view.k, key_pos, rope_theta)
+        if key_pos is not None:  # positions within the cache: < C, a folded cos/sin table
+            table = rope_table(view.pos.shape[-1], view.k.shape[-1], rope_theta)
+            k_cached = rope(view.k, key_pos, rope_theta, table)
+        else:
+            k_cached = view.k
         return attention(q, k, v, pos_new, k_cached, view.v, view.pos)
 
     def update(self, view: LayerView, k, v, pos_new, probs, rope_theta: float):
@@ -188,6 +198,90 @@ class KVCache:
     def check_finite(self) -> None:
         """Raise (on the host) naming the layers whose keys/values held NaN or inf."""
         check_nonfinite(self.nonfinite)
+
+
+@struct.dataclass
+class HeadPool(KVCache):
+    """Per-head budgets with real memory (AdaKV-style): the K kv heads of a layer share one pool
+    of P = K · budget slots, and `owner` names the head each slot serves, so a head that needs
+    more slots takes them from one that needs fewer while the layer's bytes stay those of
+    `budget` slots per head. Built by `KVCache.init` when the policy sets `head_pool`.
+
+    Stores are [L, B, 1, P, ...] (the format sees one "head" of P slots); pos [L, B, 1, P];
+    owner [L, B, 1, P] int8. Attention reads the pool once for all heads and masks each head to
+    its own slots. The policy's `update` sees the pool (view.pos [B, 1, P], view.owner) and
+    probs [B, K, T, P + T] that are zero outside each head's slots, and answers slots [B, K, T]
+    in the pool for each (head, token) (P = not stored).
+    """
+
+    owner: jax.Array
+    n_heads: int = struct.field(pytree_node=False)
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None):
+        max_len = cfg.max_seq_len if max_len is None else max_len
+        policy.validate(max_len)
+        if getattr(fmt, "keep_heads", ()):
+            raise ValueError(
+                f"kv_keep keep_heads={fmt.keep_heads} cannot apply to policy {policy.name!r}: its "
+                "kv heads share one slot pool per layer (slots move between heads); use "
+                "keep_layers, or a per-head policy"
+            )
+        L, K, E = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        P = K * policy.capacity(max_len)
+        fmt = fmt.shared_by(K)
+        stats = policy.init_stats(batch, 1, P)
+        return cls(
+            k=fmt.init((L, batch, 1, P, E), "k"),
+            v=fmt.init((L, batch, 1, P, E), "v"),
+            pos=jnp.full((L, batch, 1, P), -1, jnp.int32),
+            stats=jax.tree.map(lambda s: jnp.broadcast_to(s, (L,) + s.shape), stats),
+            length=jnp.zeros((batch,), jnp.int32),
+            nonfinite=jnp.zeros((L,), bool),
+            owner=jnp.zeros((L, batch, 1, P), jnp.int8 if K < 128 else jnp.int16),
+            fmt=fmt,
+            policy=policy,
+            n_heads=K,
+        )
+
+    @property
+    def capacity(self) -> int:
+        """Mean slots per kv head (what the closed form 2·L·Hkv·D·C·bytes needs)."""
+        return self.pos.shape[-1] // self.n_heads
+
+    def nbytes(self) -> int:
+        return super().nbytes() + _bytes(self.owner)
+
+    def head_slots(self) -> jax.Array:
+        """Slots each kv head holds: [L, B, K] int32 (they sum to at most K · budget)."""
+        mine = self.owner[..., None] == jnp.arange(self.n_heads)  # [L, B, 1, P, K]
+        return jnp.sum(mine & (self.pos >= 0)[..., None], axis=(2, 3), dtype=jnp.int32)
+
+    def layer_view(self, layer) -> LayerView:
+        view = super().layer_view(layer)  # k, v [B, 1, P, E]; pos [B, 1, P]
+        return dataclasses.replace(view, owner=self.owner[layer])
+
+    def attend(self, view: LayerView, q, k, v, pos_new, rope_theta: float):
+        """As `KVCache.attend`, over the pool with each head masked to its own slots."""
+        heads = jnp.arange(self.n_heads, dtype=view.owner.dtype)[None, :, None]  # [1, K, 1]
+        pos = jnp.where(view.owner == heads, view.pos, -1)  # [B, K, P]
+        return super().attend(dataclasses.replace(view, pos=pos), q, k, v, pos_new, rope_theta)
+
+    def write(self, layer, slots, k_new, v_new, pos_new, stats) -> HeadPool:
+        """Store each (head, token) at its pool slot: slots [B, K, T] (P = not stored)."""
+        B, K, T = slots.shape
+        E = k_new.shape[-1]
+        flat = slots.reshape(B, 1, K * T)  # head-major, as the heads' tokens are listed
+
+        def by_head(x):  # [B, T, K, E] -> [B, K·T, 1, E]
+            return jnp.swapaxes(x, 1, 2).reshape(B, K * T, 1, E)
+
+        out = super().write(layer, flat, by_head(k_new), by_head(v_new),
+                            jnp.tile(pos_new, (1, K)), stats)
+        heads = jnp.broadcast_to(jnp.repeat(jnp.arange(K, dtype=self.owner.dtype), T), flat.shape)
+        with jax.named_scope("cache_update"):
+            return out.replace(owner=self.owner.at[layer, jnp.arange(B)[:, None, None], 0,
+                                                   flat].set(heads, mode="drop"))
 
 
 @struct.dataclass

@@ -291,6 +291,11 @@ class KVFormat:
         """Bytes of the key and value stores for `shape` (L, B, K, C, E), without allocating."""
         return sum(store_nbytes(jax.eval_shape(lambda k=k: self.init(shape, k))) for k in KINDS)
 
+    def shared_by(self, n_heads: int) -> KVFormat:
+        """This format for one slot pool shared by `n_heads` kv heads (`kvjax.cache.HeadPool`):
+        state sized per head in slots (a key residual) grows n_heads-fold; else itself."""
+        return self
+
 
 @dataclasses.dataclass(frozen=True)
 class _FloatFormat(KVFormat):
@@ -444,6 +449,12 @@ class _IntFormat(KVFormat):
 
     def channel_keys(self, kind: str) -> bool:
         return kind == "k" and self.key_mode == "channel"
+
+    def shared_by(self, n_heads: int) -> KVFormat:
+        """Every head keeps its residual of recent full-precision keys inside the pool."""
+        if self.key_mode != "channel":
+            return self
+        return dataclasses.replace(self, residual=n_heads * self.n_open * self.group)
 
     def group_of(self, kind: str) -> int:
         """The per-token group size of keys or values."""
@@ -716,6 +727,9 @@ class Mixed(KVFormat):
     @property
     def keep(self) -> KVFormat:
         return FORMATS[self.keep_dtype]()
+
+    def shared_by(self, n_heads: int) -> KVFormat:
+        return dataclasses.replace(self, base=self.base.shared_by(n_heads))
 
     def layout(self, L: int, K: int):
         """(kept layers, quantized layers, kept heads, quantized heads) for L layers, K heads."""

@@ -47,6 +47,7 @@ class LayerView:
     pos: jax.Array  # [B, K, C] position held by each slot, -1 = empty
     stats: Any  # this policy's per-layer stats pytree, leaves [B, K, C, ...]
     length: jax.Array  # [B] tokens seen before this chunk
+    owner: Any = None  # head pool only ([B, 1, P] kv head of each pool slot); else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Policy:
 
     name: ClassVar[str] = "base"
     prefill_only: ClassVar[bool] = False  # selects its cache once after a prompt (needs one)
+    head_pool: ClassVar[bool] = False  # kv heads share one slot pool per layer (HeadPool)
     compress = None  # optional `compress(cache) -> cache`, run once after prefill
     budget: int | None = None
 
@@ -109,8 +111,8 @@ class Policy:
         """Positions RoPE uses: (chunk [B, T], cached keys [B, K, C] or None).
 
         None (the default) means keys are stored already rotated at their absolute positions;
-        an array means keys are stored unrotated and rotated at these positions when read
-        (StreamingLLM's positions-within-the-cache)."""
+        an array means keys are stored unrotated and rotated at these positions, each below
+        the capacity C, when read (StreamingLLM's positions-within-the-cache)."""
         return pos_new, None
 
     def init_stats(self, B: int, K: int, C: int) -> Any:

@@ -56,12 +56,6 @@ def small_policy(name: str, budget: int):
     raise AssertionError(f"no small configuration of policy {name!r} fits the tiny model")
 
 
-def leaves_named(tree, name: str):
-    """Every leaf of `tree` whose path ends in the field or key `name` (any cache layout)."""
-    return [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-            if getattr(path[-1], "name", getattr(path[-1], "key", None)) == name]
-
-
 @pytest.fixture(scope="module")
 def setup():
     params = init_params(CFG, jax.random.PRNGKey(0), scale=0.3)
@@ -131,9 +125,9 @@ def test_policy_format_matrix_with_eviction(setup, name, fmt_label):
     assert np.isfinite(logits).all()
     cache.check_finite()
     assert shapes(cache) == hooked  # decode keeps every buffer's shape after the prefill hook
-    for pos in leaves_named(cache, "pos"):  # [L, B, K, C] per layer group
-        held = np.asarray(pos >= 0).sum(-1)
-        assert (held == min(pos.shape[-1], SEQ)).all()
+    for _, _, seg in cache.segments():  # one stacked cache per layer group
+        held = np.asarray(seg.head_slots()).sum(-1)  # [L, B] slots held by all kv heads
+        assert (held == CFG.n_kv_heads * min(seg.capacity, SEQ)).all()
     if name != "full":
         assert cache.kv_nbytes() < KVCache.init(CFG, 1, get_policy("full"), fmt,
                                                 MAX_LEN).kv_nbytes()

@@ -1,0 +1,61 @@
+"""`adakv`: adaptive per-head budgets (Ada-KV, Feng et al., 2024) with real memory.
+
+Ada-KV's point: heads differ in how concentrated their attention is, so a fixed budget per
+head wastes slots on flat heads and starves peaked ones. It ranks the scores of every kv head
+of a layer together and keeps the top K · budget (head, token) entries, so each head's share
+follows its scores. kvpress implements this by masking evicted keys in a full-size cache; here
+the K heads of a layer share one pool of K · budget slots (`kvjax.cache.HeadPool`) and the
+bytes are those of `budget` slots per head.
+
+At decode time the pool evicts jointly: the cached entries and the chunk's new (head, token)
+entries compete, and the K · T lowest-scored go (ties to the oldest position). Scores:
+`score="acc"` is H2O's accumulated attention (summed over the kv group's query heads; a head's
+softmax rows sum to its G query heads, so scores compare across heads); `score="current"` is
+the current query's attention (TOVA per head). Each head's `n_sink` first and `window` most
+recent tokens are protected: the window is Ada-KV's safeguard, a floor under every head's share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kvjax.policies.base import Evicting, check_choice, evict, protect, register, scatter_slots
+
+SCORES = ("acc", "current")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class AdaKV(Evicting):
+    name = "adakv"
+    head_pool = True
+    budget: int | None = 256  # mean slots per kv head: the pool holds K · budget per layer
+    window: int = 32  # per head
+    score: str = "acc"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice(self, "score", self.score, SCORES)
+
+    def init_stats(self, B, K, C):
+        return {"acc": jnp.zeros((B, K, C), jnp.float32)} if self.score == "acc" else {}
+
+    def update(self, view, k_new, v_new, pos_new, probs):
+        B, _, P = view.pos.shape  # the pool: [B, 1, P]
+        K, T = probs.shape[1], probs.shape[2]  # probs [B, K, T, P + T], 0 off a head's slots
+        if self.score == "acc":
+            cached = view.stats["acc"] + jnp.sum(probs[..., :P], axis=(1, 2))[:, None]  # [B,1,P]
+            new = jnp.sum(probs[..., P:], axis=2)  # [B, K, T]
+        else:
+            last = jnp.maximum(jnp.sum(pos_new >= 0, axis=-1) - 1, 0)  # [B] last real query
+            row = jnp.take_along_axis(probs, last[:, None, None, None], axis=2)[:, :, 0]
+            cached = jnp.sum(row[..., :P], axis=1)[:, None]  # [B, 1, P]
+            new = row[..., P:]  # [B, K, T]
+        pos_flat = jnp.tile(pos_new, (1, K))  # [B, K·T]: every head's copy of the chunk
+        new = new.reshape(B, 1, K * T)  # [B, 1, K·T], head-major like pos_flat
+        protected, protected_new = protect(view, pos_flat, self.n_sink, self.window)
+        slots = evict(view, pos_flat, cached, new, protected, protected_new)  # [B, 1, K·T]
+        stats = {"acc": scatter_slots(cached, slots, new)} if self.score == "acc" else {}
+        return slots.reshape(B, K, T), stats
