@@ -145,3 +145,13 @@ def test_prompt_longer_than_cache_is_a_clear_error():
     cfg, p = _model("mqa")
     with pytest.raises(ValueError, match="exceeds the maximum length"):
         generate(p, cfg, [[1] * 40], 1, FULL, F32, max_len=32)
+
+
+def test_rope_by_table_equals_rope():
+    """The folded cos/sin table (streaming rope=cache keys) rotates exactly like cos/sin."""
+    from kvjax.attention import rope, rope_table
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 3, 40, 64))
+    pos = jax.random.randint(jax.random.PRNGKey(2), (2, 3, 40), 0, 40)
+    np.testing.assert_allclose(rope(x, pos, 1e4, rope_table(40, 64, 1e4)), rope(x, pos, 1e4),
+                               atol=1e-6, rtol=0)
