@@ -22,6 +22,7 @@ impl="pallas")` builds a `kvjax.paged.PagedCache` (a page pool with block tables
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, ClassVar
 
@@ -81,7 +82,9 @@ class KVCache:
         if len(policy.layer_groups(cfg.n_layers, max_len)) > 1:
             return LayerGroups.init(cfg, batch, policy, fmt, max_len)
         if policy.head_pool and cls is KVCache:
-            return HeadPool.init(cfg, batch, policy, fmt, max_len)
+            HeadPool.check_format(fmt, policy)
+            if not policy.prefill_only:  # a prefill-only policy pools its heads at compress
+                return HeadPool.init(cfg, batch, policy, fmt, max_len)
         L, K, E = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         C = policy.capacity(max_len)
         stats = policy.init_stats(batch, K, C)
@@ -221,12 +224,7 @@ class HeadPool(KVCache):
     def init(cls, cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None):
         max_len = cfg.max_seq_len if max_len is None else max_len
         policy.validate(max_len)
-        if getattr(fmt, "keep_heads", ()):
-            raise ValueError(
-                f"kv_keep keep_heads={fmt.keep_heads} cannot apply to policy {policy.name!r}: its "
-                "kv heads share one slot pool per layer (slots move between heads); use "
-                "keep_layers, or a per-head policy"
-            )
+        cls.check_format(fmt, policy)
         L, K, E = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         P = K * policy.capacity(max_len)
         fmt = fmt.shared_by(K)
@@ -243,6 +241,15 @@ class HeadPool(KVCache):
             policy=policy,
             n_heads=K,
         )
+
+    @staticmethod
+    def check_format(fmt, policy) -> None:
+        if getattr(fmt, "keep_heads", ()):
+            raise ValueError(
+                f"kv_keep keep_heads={fmt.keep_heads} cannot apply to policy {policy.name!r}: its "
+                "kv heads share one slot pool per layer (slots move between heads); use "
+                "keep_layers, or a per-head policy"
+            )
 
     @property
     def capacity(self) -> int:
@@ -282,6 +289,48 @@ class HeadPool(KVCache):
         with jax.named_scope("cache_update"):
             return out.replace(owner=self.owner.at[layer, jnp.arange(B)[:, None, None], 0,
                                                    flat].set(heads, mode="drop"))
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "budget"))
+def pool_from(cache: KVCache, policy, budget: int) -> HeadPool:
+    """A HeadPool of K · budget slots per layer holding the entries of a per-head `cache` that
+    `policy.select_pool(view)` keeps: (keep [B, P] indices into the layer's flattened (head,
+    slot) axis, K · C0 = empty; the layer's stats, leaves [B, 1, P, ...]). Keys and values go
+    through the format's read and write, so any storage format works (SnapKV-style compress)."""
+    L, B, K, C0 = cache.pos.shape
+    P, N = K * budget, K * C0
+    fmt = cache.fmt.shared_by(K)
+    view0 = jax.eval_shape(lambda c: c.layer_view(0), cache)
+    E = view0.k.shape[-1]
+    stats0 = jax.eval_shape(lambda v: policy.select_pool(v)[1], view0)
+    slots = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, 1, P))
+    owner_dtype = jnp.int8 if K < 128 else jnp.int16
+
+    def body(carry, layer):
+        k, v, pos, owner, stats = carry
+        view = cache.layer_view(layer)
+        keep, st = policy.select_pool(view)  # [B, P]
+        ok = keep < N
+        idx = jnp.minimum(keep, N - 1)
+
+        def take(x):  # [B, K, C0, E] -> [B, 1, P, E]
+            got = jnp.take_along_axis(x.reshape(B, N, E), idx[..., None], axis=1)
+            return jnp.where(ok[..., None], got, 0.0)[:, None]
+
+        k = fmt.write(k, layer, slots, take(view.k), "k")
+        v = fmt.write(v, layer, slots, take(view.v), "v")
+        held = jnp.take_along_axis(view.pos.reshape(B, N), idx, axis=-1)  # [B, P]
+        pos = pos.at[layer].set(jnp.where(ok, held, -1)[:, None])
+        owner = owner.at[layer].set((idx // C0).astype(owner_dtype)[:, None])
+        stats = jax.tree.map(lambda s, n: s.at[layer].set(n), stats, st)
+        return (k, v, pos, owner, stats), None
+
+    init = (fmt.init((L, B, 1, P, E), "k"), fmt.init((L, B, 1, P, E), "v"),
+            jnp.full((L, B, 1, P), -1, jnp.int32), jnp.zeros((L, B, 1, P), owner_dtype),
+            jax.tree.map(lambda s: jnp.zeros((L,) + s.shape, s.dtype), stats0))
+    (k, v, pos, owner, stats), _ = jax.lax.scan(body, init, jnp.arange(L, dtype=jnp.int32))
+    return HeadPool(k=k, v=v, pos=pos, stats=stats, length=cache.length,
+                    nonfinite=cache.nonfinite, owner=owner, fmt=fmt, policy=policy, n_heads=K)
 
 
 @struct.dataclass

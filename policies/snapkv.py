@@ -108,15 +108,20 @@ class SnapKV(Policy):
         C0 = cache.pos.shape[-1]
         return rebuild(cache, self, C0 if self.budget is None else self.budget)
 
+    def prompt_scores(self, view):
+        """(prefix, window) masks [B, K, C0] of the prompt, and the prefix's pooled scores."""
+        start = (view.length - self.window)[:, None, None]  # [B, 1, 1] first observed position
+        prefix = (view.pos >= 0) & (view.pos < start)  # [B, K, C0]
+        recent = (view.pos >= 0) & ~prefix
+        score = pool_1d(jnp.sum(view.stats["obs"], axis=-1), prefix, self.kernel, self.pool)
+        return prefix, recent, score
+
     def select(self, view):
         """One layer: (kept slot indices [B, K, budget] in position order, decode stats)."""
         B, K, C0 = view.pos.shape
         Cb = C0 if self.budget is None else self.budget
         W = self.window
-        start = (view.length - W)[:, None, None]  # [B, 1, 1] first observation position
-        prefix = (view.pos >= 0) & (view.pos < start)  # [B, K, C0]
-        recent = (view.pos >= 0) & ~prefix
-        score = pool_1d(jnp.sum(view.stats["obs"], axis=-1), prefix, self.kernel, self.pool)
+        prefix, recent, score = self.prompt_scores(view)
         key = jnp.where(prefix, -score, jnp.inf)  # lower = better
         idx = jnp.broadcast_to(jnp.arange(C0, dtype=jnp.int32), view.pos.shape)
         order = jax.lax.sort((key, -view.pos, idx), dimension=-1, num_keys=3)[2]  # [B, K, C0]

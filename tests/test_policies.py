@@ -297,8 +297,9 @@ def test_bad_hyperparameters(name, opts, match):
 
 
 def test_compress_protocol_flags():
-    assert get_policy("snapkv").prefill_only and get_policy("snapkv").compress is not None
+    for name in ("snapkv", "adasnapkv"):
+        assert get_policy(name).prefill_only and get_policy(name).compress is not None
     for name in POLICIES:
-        if name != "snapkv":
+        if name not in ("snapkv", "adasnapkv"):
             policy = get_policy(name)
             assert policy.compress is None and not policy.prefill_only

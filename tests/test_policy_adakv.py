@@ -288,5 +288,8 @@ def test_bad_input():
                                          r"keep_layers"):
         KVCache.init(CFG, 1, get_policy("adakv", budget=8, window=2),
                      get_format("int4", key_mode="token", keep_heads=(0,)), MAX_LEN)
+    with pytest.raises(ValueError, match=r"keep_heads=\(0,\) cannot apply to policy 'adasnapkv'"):
+        KVCache.init(CFG, 1, get_policy("adasnapkv", budget=8, window=2),
+                     get_format("int4", key_mode="token", keep_heads=(0,)), MAX_LEN)
     with pytest.raises(ValueError, match=r"policy 'adakv' is not supported on the paged layout"):
         get_layout("paged").init(CFG, 1, get_policy("adakv", budget=16, window=2), FMT, MAX_LEN)

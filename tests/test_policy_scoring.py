@@ -104,21 +104,39 @@ def _lru_used(row, used_by="threshold", threshold=0.0, top_k=1, **_):
     return [j for j, a in row.items() if a >= kth]
 
 
+def snapkv_pooled(A, k, n, window, kernel, pool):
+    """SnapKV's score of each prefix position of head k (prompt length n), pooled."""
+    start = max(0, n - window)
+    obs = [sum(float(A[k, q, j]) for q in range(start, n)) for j in range(start)]
+    r = kernel // 2
+    if pool == "max":
+        return [max(obs[max(0, j - r):j + r + 1]) for j in range(start)]
+    return [sum(obs[max(0, j - r):j + r + 1]) / kernel for j in range(start)]
+
+
 def snapkv_reference(A, n, budget, window, kernel, pool):
     """SnapKV's selection for one row of prompt length n: kept positions per kv head."""
     K = A.shape[0]
     start = max(0, n - window)
     out = []
     for k in range(K):
-        obs = [sum(float(A[k, q, j]) for q in range(start, n)) for j in range(start)]
-        r = kernel // 2
-        if pool == "max":
-            pooled = [max(obs[max(0, j - r):j + r + 1]) for j in range(start)]
-        else:
-            pooled = [sum(obs[max(0, j - r):j + r + 1]) / kernel for j in range(start)]
+        pooled = snapkv_pooled(A, k, n, window, kernel, pool)
         chosen = sorted(range(start), key=lambda j: (-pooled[j], -j))[:max(0, budget - window)]
         out.append(sorted(chosen + list(range(start, n))))
     return out
+
+
+def adasnapkv_reference(A, n, budget, window, kernel, pool):
+    """Ada-SnapKV: the same pooled scores, ranked over all heads together; every head keeps
+    its window, the best K · (budget - window) prefix entries of the layer fill the rest.
+    Ties keep the later position, then the lower head."""
+    K = A.shape[0]
+    start = max(0, n - window)
+    entries = sorted((-p, -j, k) for k in range(K)
+                     for j, p in enumerate(snapkv_pooled(A, k, n, window, kernel, pool)))
+    chosen = entries[:max(0, K * (budget - window))]
+    return [sorted([-j for _, j, h in chosen if h == k] + list(range(start, n)))
+            for k in range(K)]
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -270,6 +288,48 @@ def test_snapkv_compress_matches_reference(pool, kernel, window):
                     free = budget - len(pinned[b][k])
                     want = sorted(set(pinned[b][k]) | set(range(max(0, n - free), n)))
                     assert got[b][k] == want, f"seed {seed} row {b} head {k} decode {step}"
+
+
+@pytest.mark.parametrize("pool,kernel,window", [("max", 3, 3), ("avg", 5, 2)])
+def test_adasnapkv_compress_matches_reference(pool, kernel, window):
+    """Chunked prefill with padding, compress into the head pool: each head's entries are the
+    reference's; then decode slides every head's unpinned window."""
+    B, K, E, budget, N = 2, 3, 4, 6, 40
+    policy = get_policy("adasnapkv", budget=budget, window=window, kernel=kernel, pool=pool)
+    for seed in range(2):
+        rng = np.random.default_rng(seed)
+        plan = schedule(rng, B, 12, (1, 4))
+        A, keys = synthetic(rng, B, K, N, E)
+        _, chunks, cache = drive(layer_cache(policy, B, K, E, N), A, keys, plan)
+        cache = compress_cache(cache)
+        assert cache.capacity == budget and cache.pos.shape[-1] == K * budget
+        lengths = [sum(len(c) for c in chunks[b]) for b in range(B)]
+        assert max(lengths) > budget  # the pool is full and decode evicts
+        after = pool_sets(cache)
+        for b in range(B):
+            want = adasnapkv_reference(A[b], lengths[b], budget, window, kernel, pool)
+            assert after[b] == want, f"seed {seed} row {b} (prompt {lengths[b]})"
+        pinned = [[[p for p in h if p < lengths[b] - window] for h in after[b]] for b in range(B)]
+        P = K * budget
+        for step in range(1, 7):
+            pos_new = jnp.asarray([[n + step - 1] for n in lengths], jnp.int32)  # [B, 1]
+            cache = policy_step(cache, jnp.zeros((B, 1, K, E)), pos_new,
+                                jnp.zeros((B, K, 1, P + 1)))
+            got = pool_sets(cache)
+            for b in range(B):
+                n = lengths[b] + step
+                for k in range(K):
+                    if lengths[b] > budget:  # a full pool: every head's window slides
+                        want = sorted(set(pinned[b][k]) | set(range(n - min(window, n), n)))
+                        assert got[b][k] == want, f"seed {seed} row {b} head {k} decode {step}"
+                    assert n - 1 in got[b][k]
+
+
+def pool_sets(cache):
+    """Sorted positions per (row, head) of layer 0 of a HeadPool."""
+    pos, owner = np.asarray(cache.pos[0, :, 0]), np.asarray(cache.owner[0, :, 0])
+    return [[sorted(int(p) for p in pos[b][(owner[b] == k) & (pos[b] >= 0)])
+             for k in range(cache.n_heads)] for b in range(pos.shape[0])]
 
 
 # ----------------------------------------------------------------------------- end to end
