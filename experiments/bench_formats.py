@@ -100,10 +100,11 @@ def section_bytes() -> list[str]:
 _nll_step = jax.jit(nll_chunk, static_argnames=("cfg",), donate_argnames=("cache",))
 
 
-def stream_nll(params, cfg, ids: np.ndarray, fmt, chunk: int) -> np.ndarray:
-    """nll[i] = -log p(ids[i+1] | ids[:i+1]) with the text fed in chunks through the cache."""
+def stream_nll(params, cfg, ids: np.ndarray, fmt, chunk: int, policy=None, final=None):
+    """nll[i] = -log p(ids[i+1] | ids[:i+1]) with the text fed in chunks through the cache
+    (`policy`, default full). `final`, a dict, receives the last cache under "cache"."""
     n = len(ids)
-    cache = KVCache.init(cfg, 1, get_policy("full"), fmt, n)
+    cache = KVCache.init(cfg, 1, policy or get_policy("full"), fmt, n)
     nll = np.zeros(n, np.float32)
     padded = np.zeros(math.ceil(n / chunk) * chunk + 1, np.int32)
     padded[:n] = ids
@@ -114,6 +115,8 @@ def stream_nll(params, cfg, ids: np.ndarray, fmt, chunk: int) -> np.ndarray:
         out, cache = _nll_step(params, toks, tgts, nv, cache, cfg)
         nll[s:s + chunk] = np.asarray(out[0, : min(chunk, n - s)])
     cache.check_finite()
+    if final is not None:
+        final["cache"] = cache
     return nll[: n - 1]
 
 
