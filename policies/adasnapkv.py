@@ -7,7 +7,9 @@ window in every kv head exactly as `snapkv` does (summed over the window's queri
 group's query heads, pooled along positions), then ranks the (head, token) entries of all
 heads of a layer together: each head keeps its observation window, and the best
 K · (budget - window) prefix entries over all heads fill the rest of a pool of K · budget
-slots (`kvjax.cache.HeadPool`). Ties keep the later position, then the lower head.
+slots (`kvjax.cache.HeadPool`). Ada-KV's safeguard `floor` first gives every head its own best
+floor · (budget - window) prefix entries (the paper's alpha, 0.2), so no head is starved.
+Ties keep the later position, then the lower head.
 
 Decode after compress: the selected prompt entries are pinned; every head's window and the
 generated tokens slide (the oldest unpinned position goes, in every head).
@@ -29,6 +31,12 @@ from kvjax.policies.snapkv import SnapKV
 class AdaSnapKV(SnapKV):
     name = "adasnapkv"
     head_pool = True  # after compress
+    floor: float = 0.2  # share of each head's prefix budget it keeps whatever the others score
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.floor <= 1.0:
+            raise ValueError(f"policy 'adasnapkv': floor must be in [0, 1], got {self.floor!r}")
 
     def compress(self, cache):
         """Prefill cache (capacity max length, per head) -> a pool of K · budget slots."""
@@ -45,7 +53,15 @@ class AdaSnapKV(SnapKV):
         N = K * C0
         P = K * (C0 if self.budget is None else self.budget)
         prefix, recent, score = self.prompt_scores(view)
-        key = jnp.where(recent, -jnp.inf, jnp.where(prefix, -score, jnp.inf))  # lower = keep
+        key = jnp.where(prefix, -score, jnp.inf)  # [B, K, C0] lower = keep
+        floor = int(self.floor * (P // K - self.window))
+        if floor > 0:  # each head's own best `floor` prefix entries are kept first
+            slot = jnp.broadcast_to(jnp.arange(C0, dtype=jnp.int32), (B, K, C0))
+            order = jax.lax.sort((key, -view.pos, slot), dimension=-1, num_keys=3)[2]
+            rank = jnp.zeros_like(slot).at[
+                jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], order].set(slot)
+            key = jnp.where(prefix & (rank < floor), -jnp.inf, key)
+        key = jnp.where(recent, -jnp.inf, key)
         idx = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
         skey, _, order = jax.lax.sort((key.reshape(B, N), -view.pos.reshape(B, N), idx),
                                       dimension=-1, num_keys=3)

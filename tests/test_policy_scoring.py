@@ -126,15 +126,19 @@ def snapkv_reference(A, n, budget, window, kernel, pool):
     return out
 
 
-def adasnapkv_reference(A, n, budget, window, kernel, pool):
+def adasnapkv_reference(A, n, budget, window, kernel, pool, floor):
     """Ada-SnapKV: the same pooled scores, ranked over all heads together; every head keeps
-    its window, the best K · (budget - window) prefix entries of the layer fill the rest.
-    Ties keep the later position, then the lower head."""
+    its window and its own best int(floor · (budget - window)) prefix entries (the
+    safeguard), then the best of the rest of the layer fill K · (budget - window) prefix
+    slots. Ties keep the later position, then the lower head."""
     K = A.shape[0]
     start = max(0, n - window)
-    entries = sorted((-p, -j, k) for k in range(K)
-                     for j, p in enumerate(snapkv_pooled(A, k, n, window, kernel, pool)))
-    chosen = entries[:max(0, K * (budget - window))]
+    per_head = [sorted((-p, -j, k) for j, p in
+                       enumerate(snapkv_pooled(A, k, n, window, kernel, pool)))
+                for k in range(K)]
+    guaranteed = [e for h in per_head for e in h[:int(floor * (budget - window))]]
+    rest = sorted(e for h in per_head for e in h if e not in guaranteed)
+    chosen = guaranteed + rest[:max(0, K * (budget - window) - len(guaranteed))]
     return [sorted([-j for _, j, h in chosen if h == k] + list(range(start, n)))
             for k in range(K)]
 
@@ -290,12 +294,14 @@ def test_snapkv_compress_matches_reference(pool, kernel, window):
                     assert got[b][k] == want, f"seed {seed} row {b} head {k} decode {step}"
 
 
-@pytest.mark.parametrize("pool,kernel,window", [("max", 3, 3), ("avg", 5, 2)])
-def test_adasnapkv_compress_matches_reference(pool, kernel, window):
+@pytest.mark.parametrize("pool,kernel,window,floor", [("max", 3, 3, 0.0), ("avg", 5, 2, 0.0),
+                                                     ("max", 3, 2, 0.5)])
+def test_adasnapkv_compress_matches_reference(pool, kernel, window, floor):
     """Chunked prefill with padding, compress into the head pool: each head's entries are the
     reference's; then decode slides every head's unpinned window."""
     B, K, E, budget, N = 2, 3, 4, 6, 40
-    policy = get_policy("adasnapkv", budget=budget, window=window, kernel=kernel, pool=pool)
+    policy = get_policy("adasnapkv", budget=budget, window=window, kernel=kernel, pool=pool,
+                        floor=floor)
     for seed in range(2):
         rng = np.random.default_rng(seed)
         plan = schedule(rng, B, 12, (1, 4))
@@ -307,7 +313,7 @@ def test_adasnapkv_compress_matches_reference(pool, kernel, window):
         assert max(lengths) > budget  # the pool is full and decode evicts
         after = pool_sets(cache)
         for b in range(B):
-            want = adasnapkv_reference(A[b], lengths[b], budget, window, kernel, pool)
+            want = adasnapkv_reference(A[b], lengths[b], budget, window, kernel, pool, floor)
             assert after[b] == want, f"seed {seed} row {b} (prompt {lengths[b]})"
         pinned = [[[p for p in h if p < lengths[b] - window] for h in after[b]] for b in range(B)]
         P = K * budget
