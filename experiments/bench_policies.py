@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.attention import rope
+from kvjax.attention import rope, rope_table
 from kvjax.cache import KVCache
 from kvjax.config import ModelConfig
 from kvjax.formats import get_format
@@ -122,7 +122,8 @@ def policy_only(cfg: ModelConfig, policy, C: int, seen: int, reps: int = 200) ->
             slots, stats = policy.update(v, k_new, k_new, pos_new, probs)
             key_pos = policy.rope_positions(v, pos_new)[1]
             if key_pos is not None:  # what the model then spends rotating the cached keys
-                acc = acc + jnp.sum(rope(v.k, key_pos, cfg.rope_theta))
+                table = rope_table(C, E, cfg.rope_theta)  # as KVCache.attend does
+                acc = acc + jnp.sum(rope(v.k, key_pos, cfg.rope_theta, table))
             p = scatter_slots(v.pos, slots, jnp.broadcast_to(pos_new[:, None, :], slots.shape))
             return (dataclasses.replace(v, pos=p, stats=stats), acc), None
 
