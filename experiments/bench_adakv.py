@@ -26,16 +26,13 @@ Sections:
 from __future__ import annotations
 
 import argparse
-import platform
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_formats import TEXT_IDS, load_real, stream_nll
+from experiments.bench_formats import TEXT_IDS, emit, header, load_real, stream_nll
 from kvjax.cache import KVCache
 from kvjax.formats import get_format
 from kvjax.generate import decode_step, prefill
@@ -186,10 +183,7 @@ def main(argv=None) -> None:
                     help="tokens fed one by one after the compressed prompt (section prompt)")
     ap.add_argument("--out", help="also write the Markdown to this file")
     args = ap.parse_args(argv)
-    cmd = " ".join(sys.argv[1:] if argv is None else argv)
-    lines = [(f"<!-- python -m experiments.bench_adakv {cmd} | "
-              f"{platform.processor() or platform.machine()}, jax {jax.__version__}, "
-              f"{jax.devices()[0].platform} -->")]
+    lines = [header("bench_adakv", argv)]
     cfg, params = load_real()
     if "bytes" in args.only:
         lines += section_bytes(cfg, args.budgets) + [""]
@@ -199,10 +193,7 @@ def main(argv=None) -> None:
         lines += section_prompt(cfg, params, args.budgets, args.prompt, args.cont) + [""]
     if "speed" in args.only:
         lines += section_speed(cfg, params, args.budgets[0], args.tokens, args.reps) + [""]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

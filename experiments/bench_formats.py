@@ -280,10 +280,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=1, help="rows of the speed section's decode")
     ap.add_argument("--out", help="also write the Markdown to this file")
     args = ap.parse_args(argv)
-    cmd = " ".join(sys.argv[1:] if argv is None else argv)
-    lines = [(f"<!-- python -m experiments.bench_formats {cmd} | "
-             f"{platform.processor() or platform.machine()}, jax {jax.__version__}, "
-             f"{jax.devices()[0].platform} -->")]
+    lines = [header("bench_formats", argv)]
     if "bytes" in args.only:
         lines += section_bytes() + [""]
     if "ppl" in args.only:
@@ -292,10 +289,23 @@ def main(argv=None) -> None:
         lines += section_memory(args.speed_formats, args.context) + [""]
     if "speed" in args.only:
         lines += section_speed(args.speed_formats, args.context, args.reps, args.batch) + [""]
+    emit(lines, args.out)
+
+
+def header(module: str, argv) -> str:
+    """The Markdown comment naming the command, machine and jax that made a report."""
+    cmd = " ".join(sys.argv[1:] if argv is None else argv)
+    return (f"<!-- python -m experiments.{module} {cmd} | "
+            f"{platform.processor() or platform.machine()}, jax {jax.__version__}, "
+            f"{jax.devices()[0].platform} -->")
+
+
+def emit(lines, out: str | None) -> None:
+    """Print the report and, with `out`, write it there too."""
     text = "\n".join(lines)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if out:
+        Path(out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

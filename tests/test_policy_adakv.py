@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_policy_scoring import layer_cache, policy_step, pool_sets
 
 from kvjax.cache import HeadPool, KVCache, closed_form_bytes, get_layout
 from kvjax.config import tiny_config
@@ -69,19 +70,6 @@ def adakv_reference(A, chunks, C, n_sink=0, window=0, score="acc"):
 # ----------------------------------------------------------------------------- the driver
 
 
-def pool_cache(policy, B, K, E, max_len):
-    cfg = tiny_config(n_heads=K, n_kv_heads=K, n_layers=1, head_dim=E, max_seq_len=max_len)
-    return KVCache.init(cfg, B, policy, FMT, max_len)
-
-
-@functools.partial(jax.jit, compiler_options=FAST)
-def policy_step(cache, k_new, pos_new, probs):
-    view = cache.layer_view(0)
-    slots, stats = cache.policy.update(view, k_new, k_new, pos_new, probs)
-    new = cache.write(0, slots, k_new, k_new, pos_new, stats)
-    return new.replace(length=cache.length + jnp.sum(pos_new >= 0, axis=-1).astype(jnp.int32))
-
-
 def pool_probs(A, pos, owner, pos_new):
     """probs [B, K, T, P + T] from rows A [B, K, N, N]: each head sees only its own slots."""
     B, K = A.shape[:2]
@@ -102,13 +90,6 @@ def pool_probs(A, pos, owner, pos_new):
     return probs
 
 
-def held(cache, layer=0):
-    """Sorted positions per (row, head) of a layer of a HeadPool."""
-    pos, owner = np.asarray(cache.pos[layer, :, 0]), np.asarray(cache.owner[layer, :, 0])
-    return [[sorted(int(p) for p in pos[b][(owner[b] == k) & (pos[b] >= 0)])
-             for k in range(cache.n_heads)] for b in range(pos.shape[0])]
-
-
 def drive(cache, A, plan):
     """Feed (T, n_valid) steps through `policy_step`; kept sets per step and chunks per row."""
     B, K = A.shape[:2]
@@ -125,7 +106,7 @@ def drive(cache, A, plan):
         k_new = jnp.zeros((B, T, K, 4), jnp.float32)
         cache = policy_step(cache, k_new, jnp.asarray(pos_new), jnp.asarray(probs))
         length += n_valid
-        seen.append(held(cache))
+        seen.append(pool_sets(cache))
     return seen, chunks, cache
 
 
@@ -148,7 +129,7 @@ def test_joint_eviction_matches_reference(opts, sizes):
             plan.append((T, rng.integers(0, T + 1, size=B) if T > 1 else np.ones(B, np.int64)))
         N = sum(T for T, _ in plan)
         A = np.tril(rng.integers(1, 1000, size=(B, K, N, N))).astype(np.float32)
-        seen, chunks, cache = drive(pool_cache(policy, B, K, 4, N), A, plan)
+        seen, chunks, cache = drive(layer_cache(policy, B, K, 4, N), A, plan)
         for b in range(B):
             want = adakv_reference(A[b], chunks[b], C, **opts)
             for step, (got, ref) in enumerate(zip((s[b] for s in seen), want)):
@@ -166,10 +147,10 @@ def test_shares_follow_the_attention():
         A[0, 0, i, 0] = 1.0  # head 0: everything on the first token
         A[0, 1, i, :i + 1] = 1.0 / (i + 1)  # head 1: flat
     policy = get_policy("adakv", budget=C, window=1)
-    _, _, cache = drive(pool_cache(policy, B, K, 4, N), A, [(1, np.ones(1, np.int64))] * N)
+    _, _, cache = drive(layer_cache(policy, B, K, 4, N), A, [(1, np.ones(1, np.int64))] * N)
     shares = np.asarray(cache.head_slots())[0, 0]
     assert shares.sum() == K * C and shares[1] > shares[0] + 4, shares
-    assert held(cache)[0][0] == [0, N - 1]  # head 0 keeps its sink-like token and the window
+    assert pool_sets(cache)[0][0] == [0, N - 1]  # head 0 keeps its sink-like token and the window
 
 
 # ----------------------------------------------------------------------------- the model
@@ -194,7 +175,7 @@ def check_pool(policy, cache, lengths):
     assert owner.min() >= 0 and owner.max() < K
     for layer in range(CFG.n_layers):
         for b, n in enumerate(lengths):
-            heads = held(cache, layer)[b]
+            heads = pool_sets(cache, layer)[b]
             assert sum(len(h) for h in heads) == min(K * C, K * n)
             for h in heads:
                 assert len(set(h)) == len(h) and (not h or max(h) < n)

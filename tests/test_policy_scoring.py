@@ -265,19 +265,24 @@ def test_tova_layerwise_heads_agree():
     assert all(all(h == row[0] for h in row) for step in seen for row in step)
 
 
+def prefill_compress(policy, B, K, E, N, seed, steps):
+    """A seeded chunked prefill with padding through `policy`, then compress: (attention rows,
+    keys, compressed cache, prompt length per row)."""
+    rng = np.random.default_rng(seed)
+    plan = schedule(rng, B, steps, (1, 4))
+    A, keys = synthetic(rng, B, K, N, E)
+    _, chunks, cache = drive(layer_cache(policy, B, K, E, N), A, keys, plan)
+    return A, keys, compress_cache(cache), [sum(len(c) for c in chunks[b]) for b in range(B)]
+
+
 @pytest.mark.parametrize("pool,kernel,window", [("max", 3, 3), ("avg", 5, 2)])
 def test_snapkv_compress_matches_reference(pool, kernel, window):
     """Chunked prefill with padding (collect), compress, then decode slides the unpinned part."""
     B, K, E, budget, N = 2, 2, 4, 8, 40
     policy = get_policy("snapkv", budget=budget, window=window, kernel=kernel, pool=pool)
     for seed in range(2):
-        rng = np.random.default_rng(seed)
-        plan = schedule(rng, B, 9, (1, 4))
-        A, keys = synthetic(rng, B, K, N, E)
-        _, chunks, cache = drive(layer_cache(policy, B, K, E, N), A, keys, plan)
-        cache = compress_cache(cache)
+        A, keys, cache, lengths = prefill_compress(policy, B, K, E, N, seed, 9)
         assert cache.capacity == budget
-        lengths = [sum(len(c) for c in chunks[b]) for b in range(B)]
         after = kept_sets(cache)
         for b in range(B):
             want = snapkv_reference(A[b], lengths[b], budget, window, kernel, pool)
@@ -303,13 +308,8 @@ def test_adasnapkv_compress_matches_reference(pool, kernel, window, floor):
     policy = get_policy("adasnapkv", budget=budget, window=window, kernel=kernel, pool=pool,
                         floor=floor)
     for seed in range(2):
-        rng = np.random.default_rng(seed)
-        plan = schedule(rng, B, 12, (1, 4))
-        A, keys = synthetic(rng, B, K, N, E)
-        _, chunks, cache = drive(layer_cache(policy, B, K, E, N), A, keys, plan)
-        cache = compress_cache(cache)
+        A, _, cache, lengths = prefill_compress(policy, B, K, E, N, seed, 12)
         assert cache.capacity == budget and cache.pos.shape[-1] == K * budget
-        lengths = [sum(len(c) for c in chunks[b]) for b in range(B)]
         assert max(lengths) > budget  # the pool is full and decode evicts
         after = pool_sets(cache)
         for b in range(B):
@@ -331,9 +331,9 @@ def test_adasnapkv_compress_matches_reference(pool, kernel, window, floor):
                     assert n - 1 in got[b][k]
 
 
-def pool_sets(cache):
-    """Sorted positions per (row, head) of layer 0 of a HeadPool."""
-    pos, owner = np.asarray(cache.pos[0, :, 0]), np.asarray(cache.owner[0, :, 0])
+def pool_sets(cache, layer=0):
+    """Sorted positions per (row, head) of a layer of a HeadPool."""
+    pos, owner = np.asarray(cache.pos[layer, :, 0]), np.asarray(cache.owner[layer, :, 0])
     return [[sorted(int(p) for p in pos[b][(owner[b] == k) & (pos[b] >= 0)])
              for k in range(cache.n_heads)] for b in range(pos.shape[0])]
 
