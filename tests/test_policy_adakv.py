@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_policy_scoring import layer_cache, policy_step, pool_sets
+from test_policy_scoring import chunk_probs, layer_cache, policy_step, pool_sets
 
 from kvjax.cache import HeadPool, KVCache, closed_form_bytes, get_layout
 from kvjax.config import tiny_config
@@ -70,26 +70,6 @@ def adakv_reference(A, chunks, C, n_sink=0, window=0, score="acc"):
 # ----------------------------------------------------------------------------- the driver
 
 
-def pool_probs(A, pos, owner, pos_new):
-    """probs [B, K, T, P + T] from rows A [B, K, N, N]: each head sees only its own slots."""
-    B, K = A.shape[:2]
-    P = pos.shape[-1]
-    T = pos_new.shape[1]
-    probs = np.zeros((B, K, T, P + T), np.float32)
-    for b in range(B):
-        for i in range(T):
-            q = pos_new[b, i]
-            if q < 0:
-                continue
-            for k in range(K):
-                mine = (pos[b] >= 0) & (owner[b] == k)
-                probs[b, k, i, :P][mine] = A[b, k, q, pos[b][mine]]
-                for j in range(T):
-                    if 0 <= pos_new[b, j] <= q:
-                        probs[b, k, i, P + j] = A[b, k, q, pos_new[b, j]]
-    return probs
-
-
 def drive(cache, A, plan):
     """Feed (T, n_valid) steps through `policy_step`; kept sets per step and chunks per row."""
     B, K = A.shape[:2]
@@ -101,8 +81,7 @@ def drive(cache, A, plan):
         for b in range(B):
             pos_new[b, :n_valid[b]] = length[b] + np.arange(n_valid[b])
             chunks[b].append([int(p) for p in pos_new[b, :n_valid[b]]])
-        probs = pool_probs(A, np.asarray(cache.pos[0, :, 0]), np.asarray(cache.owner[0, :, 0]),
-                           pos_new)
+        probs = chunk_probs(A, np.asarray(cache.pos[0]), pos_new, np.asarray(cache.owner[0]))
         k_new = jnp.zeros((B, T, K, 4), jnp.float32)
         cache = policy_step(cache, k_new, jnp.asarray(pos_new), jnp.asarray(probs))
         length += n_valid

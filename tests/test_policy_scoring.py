@@ -160,9 +160,13 @@ def policy_step(cache, k_new, pos_new, probs):
     return new.replace(length=cache.length + jnp.sum(pos_new >= 0, axis=-1).astype(jnp.int32))
 
 
-def chunk_probs(A, pos, pos_new):
-    """probs [B, K, T, C + T] of a chunk from attention rows A [B, K, N, N] over positions."""
-    B, K, C = pos.shape
+def chunk_probs(A, pos, pos_new, owner=None):
+    """probs [B, K, T, C + T] of a chunk from attention rows A [B, K, N, N] over positions.
+
+    pos: [B, K, C] per head, or a head pool's [B, 1, C] with `owner` [B, 1, C] (each head
+    then sees only its own slots)."""
+    B, K = A.shape[:2]
+    C = pos.shape[-1]
     T = pos_new.shape[1]
     probs = np.zeros((B, K, T, C + T), np.float32)
     for b in range(B):
@@ -171,8 +175,9 @@ def chunk_probs(A, pos, pos_new):
             if q < 0:
                 continue
             for k in range(K):
-                ok = pos[b, k] >= 0
-                probs[b, k, i, :C][ok] = A[b, k, q, pos[b, k][ok]]
+                held = pos[b, k if owner is None else 0]  # [C]
+                ok = (held >= 0) & (True if owner is None else owner[b, 0] == k)
+                probs[b, k, i, :C][ok] = A[b, k, q, held[ok]]
                 for j in range(T):
                     if 0 <= pos_new[b, j] <= q:
                         probs[b, k, i, C + j] = A[b, k, q, pos_new[b, j]]
