@@ -1,0 +1,422 @@
+"""kvjax against HF transformers on the same CPU: prefill time and greedy decode time per token.
+
+    python -m experiments.bench_hf [--prompt 512] [--contexts 128 512 1024] [--steps 8]
+                                   [--rounds 5] [--hf-threads 2 1] [--wait-idle SECONDS]
+                                   [--out FILE]
+
+Both sides run the same weights in f32 at batch 1: kvjax (dense `full` cache, jitted prefill and
+decode step, compile excluded by warm-up, timed through `block_until_ready`) and a
+`transformers.LlamaForCausalLM` on torch CPU (eval, `torch.inference_mode`, `use_cache=True`, its
+default `DynamicCache`, `logits_to_keep=1` in prefill as `generate` runs it) built from kvjax's
+dequantized params (`hf_state_dict`). Before timing, the two models' logits are compared on a
+prompt and over a few cached greedy steps; a disagreement stops the run.
+
+Measured side by side in one run: every round times each variant once per measure, rotating
+which goes first, and the table gives medians over rounds. "Decode at N" is the mean time per
+token of `--steps` greedy steps (model step + argmax) starting from a cache that holds N tokens;
+kvjax's cache capacity is N + steps, what `generate` allocates for that run.
+
+Threads: JAX's CPU backend runs on every core of this process's CPU affinity; HF is timed with
+`torch.set_num_threads` at that many threads and, as a control, at 1 (`--hf-threads`). On a
+shared machine the 1-thread control matters: when another process holds a core, torch's
+OpenMP ops wait for a descheduled worker at every barrier and 2 threads run several times slower
+than 1. `--wait-idle` waits for idle cores before each round and redoes rounds that other
+processes disturbed; the table's header says how busy the other processes were.
+
+torch and transformers are not kvjax dependencies; `_import_hf` says how to install them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import KVCache
+from kvjax.config import ModelConfig
+from kvjax.formats import get_format
+from kvjax.generate import decode_step, prefill, sample
+from kvjax.loading import load_model
+from kvjax.model import forward_jit, to_device
+from kvjax.policies import get_policy
+from kvjax.tasks.text import default_text, encode_prefix
+
+INSTALL_HINT = (
+    "experiments/bench_hf.py needs torch and transformers, which kvjax does not depend on. "
+    "Install the CPU build of torch and then transformers:\n"
+    "    pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu\n"
+    "    pip install transformers\n"
+    "(plain `pip install torch` downloads the multi-GB CUDA build on Linux; where a local CPU "
+    "wheel is on pip's find-links, as on the project's dev box, `pip install torch==2.13.0` "
+    "takes it.)"
+)
+
+
+def _import_hf():
+    """(torch, transformers) or an ImportError that gives the exact install commands."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT}\n(import failed: {e})") from e
+    return torch, transformers
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """A transformers `LlamaConfig` (config.json) dict for `cfg`; `config_from_hf` inverts it."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def hf_state_dict(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+    """kvjax params -> a `LlamaForCausalLM` state dict (float32 numpy, torch Linear [out, in]).
+
+    The inverse of `kvjax.loading.hf_loader.load_hf_dir`'s layout: kvjax keeps q/k in HF's
+    rotate_half order, so this is only transposes and reshapes. Tied models also get
+    `lm_head.weight` (the embedding), as `LlamaForCausalLM.state_dict()` lists it.
+    """
+    D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+
+    def a(x) -> np.ndarray:
+        return np.asarray(x, np.float32)
+
+    lp = {n: a(w) for n, w in params["layers"].items()}
+    sd = {"model.embed_tokens.weight": a(params["embed"]),
+          "model.norm.weight": a(params["final_norm"])}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = lp["attn_norm"][i]
+        sd[p + "self_attn.q_proj.weight"] = lp["wq"][i].reshape(D, H * E).T
+        sd[p + "self_attn.k_proj.weight"] = lp["wk"][i].reshape(D, K * E).T
+        sd[p + "self_attn.v_proj.weight"] = lp["wv"][i].reshape(D, K * E).T
+        sd[p + "self_attn.o_proj.weight"] = lp["wo"][i].reshape(H * E, D).T
+        sd[p + "post_attention_layernorm.weight"] = lp["mlp_norm"][i]
+        sd[p + "mlp.gate_proj.weight"] = lp["w_gate"][i].T
+        sd[p + "mlp.up_proj.weight"] = lp["w_up"][i].T
+        sd[p + "mlp.down_proj.weight"] = lp["w_down"][i].T
+    tied = cfg.tie_embeddings
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"] if tied else a(params["lm_head"]).T
+    return {k: np.ascontiguousarray(v) for k, v in sd.items()}
+
+
+def build_hf_model(cfg: ModelConfig, params, attn: str = "sdpa"):
+    """A float32 `LlamaForCausalLM` in eval mode holding kvjax's weights."""
+    torch, transformers = _import_hf()
+    hcfg = transformers.LlamaConfig(**hf_config_dict(cfg), dtype=torch.float32)
+    hcfg._attn_implementation = attn
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hcfg)
+    sd = {k: torch.from_numpy(v) for k, v in hf_state_dict(cfg, params).items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hcfg)  # real inv_freq, not meta
+    return model.float().eval()
+
+
+def _cache_of(out):
+    """The cache a transformers forward returned (`cache`, or `past_key_values` before 5.2x)."""
+    c = getattr(out, "cache", None)
+    return c if c is not None else out.past_key_values
+
+
+def _busy_jiffies() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of the whole machine from /proc/stat, None where absent."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = vals[3] + vals[4]  # idle + iowait
+    return (sum(vals) - idle) / hz, sum(vals) / hz
+
+
+class CpuProbe:
+    """How many cores processes other than this one kept busy since construction."""
+
+    def __init__(self):
+        self.t, self.own, self.busy = time.perf_counter(), time.process_time(), _busy_jiffies()
+
+    def others(self) -> float | None:
+        busy = _busy_jiffies()
+        if busy is None or self.busy is None:
+            return None
+        wall = time.perf_counter() - self.t
+        own = time.process_time() - self.own
+        return max(0.0, (busy[0] - self.busy[0] - own) / max(wall, 1e-9))
+
+
+IDLE_CORES = 0.2  # "idle" for --wait-idle: other processes use fewer cores than this
+
+
+def wait_idle(max_wait: float, threshold: float = IDLE_CORES, sample: float = 2.0) -> float:
+    """Sleep until other processes use < `threshold` cores over `sample` s (at most `max_wait`
+    s); returns the seconds waited. For shared machines: torch's timings suffer most there."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_wait:
+        probe = CpuProbe()
+        time.sleep(sample)
+        busy = probe.others()
+        if busy is None or busy < threshold:
+            break
+    return time.perf_counter() - t0
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompt", type=int, default=512, help="prefill prompt length P")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024],
+                    help="tokens in the cache when decode starts")
+    ap.add_argument("--steps", type=int, default=8, help="greedy steps per timed decode block")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians)")
+    ap.add_argument("--check-tokens", type=int, default=64, help="prompt of the logits check")
+    ap.add_argument("--hf-threads", type=int, nargs="+", default=None,
+                    help="torch thread counts to time HF with (default: the cores JAX runs on, "
+                         "i.e. this process's CPU affinity, and 1)")
+    ap.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"],
+                    help="transformers attention implementation")
+    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                    help="shared machines: before each round wait (at most this long) until "
+                         "other processes use < 0.2 cores, and redo (up to 3x rounds attempts in "
+                         "all) rounds during which they used more")
+    ap.add_argument("--out", default=None, help="also write the Markdown table here")
+    a = ap.parse_args(argv)
+    sizes = [*a.contexts, a.prompt, a.steps, a.rounds, *(a.hf_threads or [])]
+    if min(sizes) < 1 or a.check_tokens < 2:
+        ap.error("sizes, --steps, --rounds and --hf-threads must be positive, --check-tokens >= 2")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    torch, transformers = _import_hf()  # fail before the model loads
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = list(dict.fromkeys(a.hf_threads or [cores, 1]))
+    torch.set_num_threads(threads[0])
+    print(f"JAX CPU backend: {jax.device_count()} device(s) on {cores} core(s); HF timed with "
+          f"torch.set_num_threads({', '.join(map(str, threads))})", flush=True)
+
+    cfg, np_params, tokenizer = load_model(a.model)
+    params = to_device(np_params)
+    model = build_hf_model(cfg, np_params, a.hf_attn)
+    # transformers 5.2x renamed the cache argument/output `past_key_values` -> `cache`
+    ckw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    del np_params
+    n_ids = max(a.prompt, max(a.contexts), a.check_tokens) + a.steps + 1
+    ids = np.asarray(encode_prefix(tokenizer, default_text(), n_ids), np.int64)
+    fmt, full = get_format("f32"), get_policy("full")
+    key = jax.random.PRNGKey(0)
+
+    def kv_cache(n):
+        return KVCache.init(cfg, 1, full, fmt, n)
+
+    # ---- agreement: full-sequence logits, then cached greedy steps on both sides
+    n_chk, n_dec = a.check_tokens, 8
+    chk = ids[:n_chk]
+    lg_j, _ = forward_jit(params, jnp.asarray(chk[None], jnp.int32), kv_cache(n_chk), cfg)
+    with torch.inference_mode():
+        lg_h = model(input_ids=torch.from_numpy(chk[None]), use_cache=False).logits.numpy()
+    lg_j = np.asarray(lg_j)
+    d_prompt = float(np.abs(lg_j - lg_h).max())
+    scale = float(np.abs(lg_j).max())
+    argmax_same = float((lg_j.argmax(-1) == lg_h.argmax(-1)).mean())
+
+    lj, cj = prefill(params, [chk.tolist()], kv_cache(n_chk + n_dec), cfg)
+    with torch.inference_mode():
+        out = model(input_ids=torch.from_numpy(chk[None]), use_cache=True, logits_to_keep=1)
+        lh, ch = out.logits[:, -1], _cache_of(out)
+        d_dec, toks_j, toks_h = 0.0, [], []
+        for _ in range(n_dec):
+            d_dec = max(d_dec, float(np.abs(np.asarray(lj) - lh.numpy()).max()))
+            tj, th = int(np.asarray(lj).argmax()), int(lh.argmax())
+            toks_j.append(tj)
+            toks_h.append(th)
+            lj, cj = decode_step(params, jnp.asarray([tj], jnp.int32), cj, cfg)
+            out = model(input_ids=torch.tensor([[tj]]), **{ckw: ch}, use_cache=True)
+            lh, ch = out.logits[:, -1], _cache_of(out)
+    agree = (f"logits max |d| = {d_prompt:.2e} over {n_chk} prompt positions (max |logit| "
+             f"{scale:.1f}, argmax equal at {argmax_same:.0%}); cached greedy steps: max |d| = "
+             f"{d_dec:.2e}, tokens {'identical' if toks_j == toks_h else 'DIFFER'} "
+             f"({n_dec} steps)")
+    print("agreement:", agree, flush=True)
+    if d_prompt > 1e-2 * max(scale, 1.0) or toks_j != toks_h:
+        raise SystemExit("kvjax and HF logits disagree; not timing two different models")
+
+    # ---- kvjax: prefill and per-context decode, compiled before timing
+    def kv_prefill():
+        lg, _ = prefill(params, [ids[: a.prompt].tolist()], kv_cache(a.prompt + a.steps), cfg)
+        lg.block_until_ready()
+
+    def hf_prefill():
+        with torch.inference_mode():
+            model(input_ids=torch.from_numpy(ids[None, : a.prompt]), use_cache=True,
+                  logits_to_keep=1)
+
+    kv_base, hf_base = {}, {}
+    t = time.perf_counter()
+    kv_prefill()
+    for n in a.contexts:
+        lg, c = prefill(params, [ids[:n].tolist()], kv_cache(n + a.steps), cfg)
+        kv_base[n] = (sample(lg, key), c)
+        with torch.inference_mode():
+            out = model(input_ids=torch.from_numpy(ids[None, :n]), use_cache=True,
+                        logits_to_keep=1)
+        hf_base[n] = (out.logits[:, -1:].argmax(-1), _cache_of(out))
+
+    def kv_decode(n):
+        """Seconds per greedy token from n cached tokens, and the tokens."""
+        tok, base = kv_base[n]
+        c = jax.tree.map(jnp.copy, base)  # decode_step donates its cache
+        jax.block_until_ready(c)
+        toks = []
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            lg, c = decode_step(params, tok, c, cfg)
+            tok = sample(lg, key)
+            toks.append(tok)
+        tok.block_until_ready()
+        dt = (time.perf_counter() - t0) / a.steps
+        return dt, [int(x[0]) for x in toks]
+
+    def hf_decode(n):
+        tok, cache = hf_base[n]
+        toks = []
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                out = model(input_ids=tok, **{ckw: cache}, use_cache=True)
+                tok = out.logits[:, -1:].argmax(-1)
+                toks.append(tok)
+            dt = (time.perf_counter() - t0) / a.steps
+        cache.crop(-a.steps)  # drop this block's tokens: back to n for the next round
+        return dt, [int(x) for x in toks]
+
+    variants = ["kvjax", *(f"hf{t}" for t in threads)]
+
+    def run(variant, measure):
+        """(seconds, greedy tokens or None) of one timed measurement."""
+        if variant == "kvjax":
+            if measure == "prefill":
+                t0 = time.perf_counter()
+                kv_prefill()
+                return time.perf_counter() - t0, None
+            return kv_decode(measure)
+        torch.set_num_threads(int(variant[2:]))
+        if measure == "prefill":
+            t0 = time.perf_counter()
+            hf_prefill()
+            return time.perf_counter() - t0, None
+        return hf_decode(measure)
+
+    for v in variants[1:]:  # warm-up: compiles each capacity's decode step; first torch calls
+        for n in a.contexts:
+            run("kvjax", n)
+            run(v, n)
+    print(f"set-up (kvjax compiles, context prefills, warm-up): {time.perf_counter() - t:.0f} s",
+          flush=True)
+
+    # ---- timed rounds; each round rotates which variant goes first
+    measures = ["prefill", *a.contexts]
+    times = {(v, m): [] for v in variants for m in measures}
+    same = {(v, n): a.steps for v in variants[1:] for n in a.contexts}
+    others = []  # cores other processes kept busy during each kept round (None: unknown)
+    attempts, discarded = 0, 0
+    while len(others) < a.rounds and attempts < 3 * a.rounds:
+        r, attempts = len(others), attempts + 1
+        if a.wait_idle:
+            waited = wait_idle(a.wait_idle, IDLE_CORES)
+            if waited > 3:
+                print(f"  waited {waited:.0f} s for idle cores", flush=True)
+        probe = CpuProbe()
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        got = {}
+        for m in measures:
+            for v in order:
+                got[v, m] = run(v, m)
+        busy = probe.others()
+        line = "; ".join(f"{m}: " + " / ".join(f"{v} {got[v, m][0] * 1e3:.0f} ms"
+                                                for v in variants) for m in measures)
+        tag = "" if busy is None else f" [others: {busy:.2f} cores]"
+        if a.wait_idle and busy is not None and busy >= IDLE_CORES and attempts < 3 * a.rounds:
+            discarded += 1
+            print(f"discarded (other processes were busy){tag}: {line}", flush=True)
+            continue
+        others.append(busy)
+        for (v, m), (dt, toks) in got.items():
+            times[v, m].append(dt)
+            if v != "kvjax" and m != "prefill":
+                same[v, m] = min(same[v, m], sum(x == y for x, y in zip(got["kvjax", m][1], toks)))
+        print(f"round {r + 1}/{a.rounds}{tag}: {line}", flush=True)
+    if len(others) < a.rounds:
+        print(f"only {len(others)} of {a.rounds} rounds ran", flush=True)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+
+    def cell(sec, n_tok):
+        if n_tok > 1:
+            return f"{sec:.2f} s ({n_tok / sec:.0f} tok/s)"
+        return f"{sec * 1e3:.1f} ms ({1 / sec:.1f} tok/s)"
+
+    rows = []
+    for m in measures:
+        if m == "prefill":
+            label, n_tok = f"prefill {a.prompt} tokens", a.prompt
+        else:
+            worst = min(same[v, m] for v in variants[1:])
+            label = (f"decode at {m} tokens, per token ({a.steps} greedy steps; same tokens "
+                     f"{worst}/{a.steps})")
+            n_tok = 1
+        rows.append((label, *(cell(med[v, m], n_tok) for v in variants),
+                     *(f"{med[v, m] / med['kvjax', m]:.2f}x" for v in variants[1:])))
+    hf_cols = [f"HF, {t} thread{'s' * (t > 1)}" for t in threads]
+    head = (f"machine: {platform.processor() or platform.machine()}, {cores} core(s) "
+            f"(JAX CPU backend uses all of them), jax {jax.__version__}, torch {torch.__version__}"
+            f", transformers {transformers.__version__} (attn {a.hf_attn}); f32, batch 1; "
+            f"medians of {len(others)} interleaved rounds"
+            + (f" ({discarded} more discarded: other processes busy)" if discarded else "")
+            + ("" if None in others else f"; other processes kept {min(others):.2f}-"
+               f"{max(others):.2f} of the {cores} cores busy during the rounds (median "
+               f"{statistics.median(others):.2f})") + f"\nagreement: {agree}\n\n")
+    table = ("| measure | kvjax | " + " | ".join(hf_cols) + " | "
+             + " | ".join(f"kvjax speed / {c}" for c in hf_cols) + " |\n|---"
+             + "|---:" * (len(variants) + len(threads)) + "|\n"
+             + "\n".join("| " + " | ".join(r) + " |" for r in rows))
+    print()
+    print(head + table)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(head + table + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

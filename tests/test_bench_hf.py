@@ -1,0 +1,69 @@
+"""experiments/bench_hf.py without torch: the kvjax -> HF weight mapping, the install hint, flags.
+
+The mapping is checked by writing it as a HF checkpoint directory and reading that back with
+kvjax's own HF loader (`load_hf_dir`), which must give back the same config and params.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+import pytest
+import tokenizers
+from safetensors.numpy import save_file
+
+from experiments import bench_hf
+from kvjax.config import tiny_config
+from kvjax.loading.hf_loader import config_from_hf, load_hf_dir
+from kvjax.model import init_params
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_state_dict_round_trips_through_the_hf_loader(tmp_path, tied):
+    cfg = tiny_config(n_heads=4, n_kv_heads=2, tie_embeddings=tied, rope_theta=5e4, norm_eps=1e-6)
+    params = jax.tree.map(np.asarray, init_params(cfg, jax.random.PRNGKey(3)))
+    sd = bench_hf.hf_state_dict(cfg, params)
+    assert ("lm_head.weight" in sd) and sd["lm_head.weight"].shape == (cfg.vocab_size, cfg.d_model)
+    if tied:
+        del sd["lm_head.weight"]  # a tied checkpoint stores the embedding once
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(bench_hf.hf_config_dict(cfg)))
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "<unk>": 1}, "<unk>"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+
+    cfg2, params2, _ = load_hf_dir(tmp_path, name=cfg.name)
+    assert cfg2 == cfg
+    assert jax.tree.structure(params2) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(params2), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_config_dict_is_a_llama_config():
+    cfg = tiny_config(n_heads=6, n_kv_heads=3, head_dim=16)  # head_dim * H != d_model
+    d = bench_hf.hf_config_dict(cfg)
+    assert d["model_type"] == "llama" and d["head_dim"] == 16
+    assert config_from_hf(d, cfg.name) == cfg
+
+
+def test_missing_torch_names_the_install_commands(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    with pytest.raises(ImportError) as e:
+        bench_hf._import_hf()
+    msg = str(e.value)
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in msg
+    assert "pip install transformers" in msg
+    with pytest.raises(ImportError):  # main fails before loading any model
+        bench_hf.main(["--rounds", "1"])
+
+
+def test_flags():
+    a = bench_hf.parse_args([])
+    assert (a.prompt, a.contexts, a.rounds, a.hf_threads) == (512, [128, 512, 1024], 5, None)
+    a = bench_hf.parse_args(["--contexts", "64", "--hf-threads", "2"])
+    assert a.contexts == [64] and a.hf_threads == [2]
+    for bad in (["--steps", "0"], ["--contexts", "0"], ["--hf-threads", "0"]):
+        with pytest.raises(SystemExit):
+            bench_hf.parse_args(bad)
