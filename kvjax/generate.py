@@ -18,9 +18,9 @@ from kvjax.model import forward
 def prefill_chunk(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid, last_idx):
     """One prompt chunk: tokens [B, T] (right-padded, n_valid [B] real), returns the logits at
     index last_idx [B] of each row ([B, V]) and the new cache."""
-    logits, cache = forward(params, tokens, cache, cfg, n_valid)
-    rows = jnp.arange(tokens.shape[0])
-    return logits[rows, jnp.clip(last_idx, 0, tokens.shape[1] - 1)], cache
+    at = jnp.clip(last_idx, 0, tokens.shape[1] - 1).astype(jnp.int32)
+    logits, cache = forward(params, tokens, cache, cfg, n_valid, logits_at=at)
+    return logits[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))

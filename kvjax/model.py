@@ -60,11 +60,13 @@ def _layer(cfg: ModelConfig, lp, x, pos_new, cache: KVCache, layer):
     return x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"]), write
 
 
-def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None):
+def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None, logits_at=None):
     """Run a chunk through the model, attending over the cache, and store it through the policy.
 
     tokens: [B, T] int32; n_valid: [B] real tokens per row (the rest is right padding, never
-    stored; default all T). Returns logits [B, T, V] (f32) and the new cache.
+    stored; default all T). Returns logits [B, T, V] (f32) and the new cache; with logits_at
+    [B] (an index into T per row), only those logits, [B, 1, V]: prefill needs one position,
+    and the [T, D] x [D, V] head is most of a chunk's work with a large vocabulary.
     """
     B, T = tokens.shape
     t = jnp.arange(T, dtype=jnp.int32)
@@ -93,6 +95,8 @@ def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None):
         seg, _ = jax.lax.scan(store, seg, (jnp.arange(hi - lo, dtype=jnp.int32), writes))
         done.append(seg)
     cache = cache.join(done)
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]  # [D, V]
     logits = jnp.einsum("BTD,DV->BTV", x, head).astype(jnp.float32)
