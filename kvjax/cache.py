@@ -210,9 +210,9 @@ class HeadPool(KVCache):
     more slots takes them from one that needs fewer while the layer's bytes stay those of
     `budget` slots per head. Built by `KVCache.init` when the policy sets `head_pool`.
 
-    Stores are [L, B, 1, P, ...] (the format sees one "head" of P slots); pos [L, B, 1, P];
-    owner [L, B, 1, P] int8. Attention reads the pool once for all heads and masks each head to
-    its own slots. The policy's `update` sees the pool (view.pos [B, 1, P], view.owner) and
+    Stores are [L, B, 1, P, ...] (the format sees one "head" of P slots, `fmt.shared_by(K)`);
+    pos [L, B, 1, P]; owner [L, B, 1, P] int8. Attention reads the pool once for all heads and
+    masks each head to its own slots. The policy's `update` sees the pool (view.pos [B, 1, P], view.owner) and
     probs [B, K, T, P + T] that are zero outside each head's slots, and answers slots [B, K, T]
     in the pool for each (head, token) (P = not stored).
     """
