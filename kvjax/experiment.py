@@ -280,6 +280,21 @@ def tiny_params(cfg, seed: int):
 
 
 @functools.lru_cache(maxsize=1)
+def load_tokenizer(model: ModelSpec):
+    """The model's tokenizer without its weights (prompt checks before the model loads)."""
+    if model.name == TINY:
+        from kvjax.config import tiny_config
+
+        try:
+            return CharTokenizer(tiny_config(**dict(model.overrides)).vocab_size)
+        except TypeError as e:
+            raise ConfigError(f"model.overrides: {e}") from None
+    from kvjax.loading import load_tokenizer as from_checkpoint
+
+    return from_checkpoint(model.name)
+
+
+@functools.lru_cache(maxsize=1)
 def load(model: ModelSpec) -> LoadedModel:
     """The model on the device (cached in-process, so a sequential sweep loads it once)."""
     from kvjax.config import tiny_config
@@ -481,6 +496,10 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print) -> Outcome:
             return Outcome(None, False, skipped=True, existing=existing)
     for note in plan_.notes:
         echo(f"note: {note}")
+    try:
+        spec.task.check_prompts(load_tokenizer(spec.model), plan_.text)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     t_start = time.perf_counter()
     model = load(spec.model)
     cfg = model.cfg

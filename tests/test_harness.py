@@ -109,6 +109,21 @@ def test_bad_combinations_fail_before_the_model_loads(overrides, pattern, monkey
         plan(spec_of(*overrides))
 
 
+@pytest.mark.parametrize("overrides, pattern", [
+    (["task=passkey", "task.length=20"], (r"task 'passkey': length=20 is too short for the "
+                                         r"prompt's fixed parts \(\d+ tokens\); use length >= ")),
+    (["task=needle", "task.lengths=[20]"], r"task 'needle': length 20 is too short"),
+])
+def test_prompt_that_cannot_be_built_fails_before_the_model_loads(overrides, pattern, tmp_path,
+                                                                  monkeypatch):
+    """Token counts need the tokenizer only: it is read without the weights."""
+    monkeypatch.setattr(experiment, "load", lambda *a: pytest.fail("the model was loaded"))
+    spec = spec_of("model=tiny", "wandb.mode=disabled", *overrides, tmp=tmp_path)
+    with pytest.raises(ConfigError, match=pattern):
+        experiment.run(spec, tmp_path / "run")
+    assert not (tmp_path / "results.jsonl").exists()
+
+
 def test_main_exits_with_the_error_message(capsys, monkeypatch):
     monkeypatch.setattr(experiment, "load", lambda *a: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as e:

@@ -184,3 +184,14 @@ def test_unknown_template_renders_with_jinja_or_says_to_install_it(tmp_path):
             tok.apply_chat_template(msgs)
     else:
         assert tok.apply_chat_template(msgs) == "[user]hi<|im_end|>"
+
+
+def test_tokenizer_alone_equals_the_models(smollm_tok, ref):
+    """`load_tokenizer` (no weights read; the harness's prompt checks) gives the same ids."""
+    from kvjax.loading import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    text = ref["text"][:3000]
+    assert tok.encode(text) == smollm_tok.encode(text)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], True) == \
+        smollm_tok.apply_chat_template([{"role": "user", "content": "hi"}], True)

@@ -26,6 +26,7 @@ __all__ = [
     "load_gguf",
     "load_hf_dir",
     "load_model",
+    "load_tokenizer",
 ]
 
 
@@ -54,6 +55,20 @@ def load_model(
         )
     spec = get_spec(s)
     return _load_gguf_file(fetch_model(spec.name, cache_dir=cache_dir), name=spec.name)
+
+
+def load_tokenizer(
+    name_or_path: str | os.PathLike = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None
+) -> Tokenizer:
+    """The tokenizer alone, resolved as `load_model` resolves names (no weights are read): for
+    checks that need token counts before a model loads."""
+    p = Path(name_or_path).expanduser()
+    if p.is_file():
+        return Tokenizer.from_gguf(open_gguf(p))
+    if is_hf_dir(p):
+        return Tokenizer.from_hf_dir(p)
+    spec = get_spec(str(name_or_path))
+    return Tokenizer.from_gguf(open_gguf(fetch_model(spec.name, cache_dir=cache_dir)))
 
 
 def _load_gguf_file(path: Path, name: str | None) -> tuple[ModelConfig, dict, Tokenizer]:

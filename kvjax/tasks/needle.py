@@ -85,6 +85,13 @@ class Needle(RetrievalTask):
         check_depths(self, self.depths)
         self.check_new_tokens("number")
 
+    def check_prompts(self, tokenizer, text: str) -> None:
+        haystack = encode_prefix(tokenizer, text, max(self.lengths))
+        key = random_key(0, self.digits)
+        for length in self.lengths:
+            for depth in self.depths:
+                needle_prompt(tokenizer, haystack, length, depth, key)
+
     def run(self, ctx: TaskContext) -> TaskResult:
         haystack = encode_prefix(ctx.tokenizer, ctx.text, max(self.lengths))
         acc = np.zeros((len(self.depths), len(self.lengths)))

@@ -71,6 +71,9 @@ class Passkey(RetrievalTask):
         check_depths(self, [self.depth])
         self.check_new_tokens("key")
 
+    def check_prompts(self, tokenizer, text: str) -> None:
+        passkey_prompt(tokenizer, self.length, self.depth, random_key(0, self.digits))
+
     def run(self, ctx: TaskContext) -> TaskResult:
         keys = [random_key(ctx.seed * 100003 + i, self.digits) for i in range(self.n_samples)]
         prompts = [passkey_prompt(ctx.tokenizer, self.length, self.depth, k) for k in keys]
