@@ -5,23 +5,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-
+from kvjax.registry import lookup
 from kvjax.tasks import agreement, needle, passkey, perplexity  # noqa: F401  (registration)
 from kvjax.tasks.base import TASKS, Task, TaskContext, TaskResult
 
 
 def get_task(name: str, **options) -> Task:
     """Build a task by name; unknown names and options get an error listing the choices."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")
-    cls = TASKS[name]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    bad = sorted(set(options) - fields)
-    if bad:
-        raise ValueError(
-            f"task {name!r} has no option(s) {bad}; its options are: {', '.join(sorted(fields))}"
-        )
+    cls = lookup("task", "tasks", TASKS, name, options)
     for key in ("lengths", "depths"):
         if isinstance(options.get(key), list):
             options[key] = tuple(options[key])
