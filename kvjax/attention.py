@@ -32,7 +32,8 @@ def rope(x, positions, theta: float, table=None):
     """Rotary embedding, HF `rotate_half` convention (pairs are the two halves of E).
 
     x: [..., E]; positions: x.shape[:-1] (int; -1 padding is harmless). table: `rope_table`
-    (cos, sin) covering every position, looked up instead of computed.
+    (cos, sin) looked up instead of computed; a position past its end gives NaN (the scores
+    and logits turn NaN), never a silently wrong rotation.
     """
     E = x.shape[-1]
     if table is None:
@@ -40,8 +41,12 @@ def rope(x, positions, theta: float, table=None):
         ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., E/2]
         cos, sin = jnp.cos(ang), jnp.sin(ang)
     else:
-        idx = jnp.clip(positions, 0, table[0].shape[0] - 1)
-        cos, sin = table[0][idx], table[1][idx]  # [..., E/2]
+        idx = jnp.maximum(positions, 0)  # -1 (padding, empty slots) reads row 0
+
+        def look(t):
+            return t.at[idx].get(mode="fill", fill_value=jnp.nan)  # [..., E/2]
+
+        cos, sin = look(table[0]), look(table[1])
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [..., E/2] each
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -66,6 +71,9 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache):
     K = k_new.shape[2]
     G = H // K
     qg = q.reshape(B, T, K, G, E).astype(jnp.float32) * (E**-0.5)  # [B, T, K, G, E]
+    if k_cache.shape[1] not in (1, K):
+        raise ValueError(f"cached keys have {k_cache.shape[1]} heads; expected {K} (per head) "
+                         "or 1 (a slot pool shared by the kv heads)")
     pooled = k_cache.shape[1] != K  # a shared slot pool: no copy per kv head
     kc = k_cache.astype(jnp.float32)
     if pooled:

@@ -82,7 +82,7 @@ class KVCache:
         if len(policy.layer_groups(cfg.n_layers, max_len)) > 1:
             return LayerGroups.init(cfg, batch, policy, fmt, max_len)
         if policy.head_pool and cls is KVCache:
-            HeadPool.check_format(fmt, policy)
+            HeadPool.check_format(fmt, policy, cfg.n_kv_heads, cfg.head_dim, max_len)
             if not policy.prefill_only:  # a prefill-only policy pools its heads at compress
                 return HeadPool.init(cfg, batch, policy, fmt, max_len)
         L, K, E = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
@@ -203,6 +203,11 @@ class KVCache:
         check_nonfinite(self.nonfinite)
 
 
+def owner_dtype(n_heads: int):
+    """The owner array's dtype: int8 (one byte per pool slot), int16 from 128 kv heads."""
+    return jnp.int8 if n_heads < 128 else jnp.int16
+
+
 @struct.dataclass
 class HeadPool(KVCache):
     """Per-head budgets with real memory (AdaKV-style): the K kv heads of a layer share one pool
@@ -223,9 +228,14 @@ class HeadPool(KVCache):
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None):
         max_len = cfg.max_seq_len if max_len is None else max_len
+        if not policy.head_pool or policy.prefill_only:
+            raise ValueError(
+                f"HeadPool.init: policy {policy.name!r} does not evict from a head pool at "
+                "decode time (head_pool and not prefill_only); use KVCache.init"
+            )
         policy.validate(max_len)
-        cls.check_format(fmt, policy)
         L, K, E = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        cls.check_format(fmt, policy, K, E, max_len)
         P = K * policy.capacity(max_len)
         fmt = fmt.shared_by(K)
         stats = policy.init_stats(batch, 1, P)
@@ -236,19 +246,41 @@ class HeadPool(KVCache):
             stats=jax.tree.map(lambda s: jnp.broadcast_to(s, (L,) + s.shape), stats),
             length=jnp.zeros((batch,), jnp.int32),
             nonfinite=jnp.zeros((L,), bool),
-            owner=jnp.zeros((L, batch, 1, P), jnp.int8 if K < 128 else jnp.int16),
+            owner=jnp.zeros((L, batch, 1, P), owner_dtype(K)),
             fmt=fmt,
             policy=policy,
             n_heads=K,
         )
 
     @staticmethod
-    def check_format(fmt, policy) -> None:
+    def check_format(fmt, policy, K: int, E: int, max_len: int) -> None:
+        """Raise before any work if `fmt` cannot store this policy's pool of K · budget slots
+        (kv_keep by head; a slot group that does not divide K · budget), naming valid budgets."""
         if getattr(fmt, "keep_heads", ()):
             raise ValueError(
                 f"kv_keep keep_heads={fmt.keep_heads} cannot apply to policy {policy.name!r}: its "
                 "kv heads share one slot pool per layer (slots move between heads); use "
                 "keep_layers, or a per-head policy"
+            )
+        budget = policy.budget if policy.budget is not None else max_len
+
+        def fits(b: int) -> bool:
+            try:
+                for kind in ("k", "v"):
+                    jax.eval_shape(lambda k=kind: fmt.shared_by(K).init((1, 1, 1, K * b, E), k))
+            except ValueError:
+                return False
+            return True
+
+        if not fits(budget):
+            near = [b for b in range(max(1, budget - 256), min(max_len, budget + 256) + 1)
+                    if b >= policy.min_budget() and fits(b)]
+            near = sorted(near, key=lambda b: abs(b - budget))[:3]
+            raise ValueError(
+                f"policy {policy.name!r}: budget={budget} gives a pool of Hkv · budget = {K} · "
+                f"{budget} = {K * budget} slots per layer, which format {fmt.name!r} cannot "
+                f"store (its slot groups must divide the pool); budgets that fit near it: "
+                f"{sorted(near) or 'none within 256'}"
             )
 
     @property
@@ -304,7 +336,6 @@ def pool_from(cache: KVCache, policy, budget: int) -> HeadPool:
     E = view0.k.shape[-1]
     stats0 = jax.eval_shape(lambda v: policy.select_pool(v)[1], view0)
     slots = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, 1, P))
-    owner_dtype = jnp.int8 if K < 128 else jnp.int16
 
     def body(carry, layer):
         k, v, pos, owner, stats = carry
@@ -321,12 +352,12 @@ def pool_from(cache: KVCache, policy, budget: int) -> HeadPool:
         v = fmt.write(v, layer, slots, take(view.v), "v")
         held = jnp.take_along_axis(view.pos.reshape(B, N), idx, axis=-1)  # [B, P]
         pos = pos.at[layer].set(jnp.where(ok, held, -1)[:, None])
-        owner = owner.at[layer].set((idx // C0).astype(owner_dtype)[:, None])
+        owner = owner.at[layer].set((idx // C0).astype(owner.dtype)[:, None])
         stats = jax.tree.map(lambda s, n: s.at[layer].set(n), stats, st)
         return (k, v, pos, owner, stats), None
 
     init = (fmt.init((L, B, 1, P, E), "k"), fmt.init((L, B, 1, P, E), "v"),
-            jnp.full((L, B, 1, P), -1, jnp.int32), jnp.zeros((L, B, 1, P), owner_dtype),
+            jnp.full((L, B, 1, P), -1, jnp.int32), jnp.zeros((L, B, 1, P), owner_dtype(K)),
             jax.tree.map(lambda s: jnp.zeros((L,) + s.shape, s.dtype), stats0))
     (k, v, pos, owner, stats), _ = jax.lax.scan(body, init, jnp.arange(L, dtype=jnp.int32))
     return HeadPool(k=k, v=v, pos=pos, stats=stats, length=cache.length,
@@ -373,6 +404,10 @@ class LayerGroups:
 
     def nbytes(self) -> int:
         return sum(g.nbytes() for g in self.groups)
+
+    def head_slots(self) -> jax.Array:
+        """Slots each kv head holds: [L, B, K] int32 over all groups."""
+        return jnp.concatenate([g.head_slots() for g in self.groups])
 
     def kv_nbytes(self) -> int:
         return sum(g.kv_nbytes() for g in self.groups)

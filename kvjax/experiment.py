@@ -307,7 +307,7 @@ def load(model: ModelSpec) -> LoadedModel:
         except TypeError as e:
             raise ConfigError(f"model.overrides: {e}") from None
         params = tiny_params(cfg, model.init_seed)
-        tokenizer = CharTokenizer(cfg.vocab_size)
+        tokenizer = load_tokenizer(model)
     else:
         from kvjax.loading import load_model
 
@@ -497,7 +497,7 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print) -> Outcome:
     for note in plan_.notes:
         echo(f"note: {note}")
     try:
-        spec.task.check_prompts(load_tokenizer(spec.model), plan_.text)
+        spec.task.check_prompts(load_tokenizer(spec.model), plan_.text, spec.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     t_start = time.perf_counter()

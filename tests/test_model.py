@@ -155,3 +155,8 @@ def test_rope_by_table_equals_rope():
     pos = jax.random.randint(jax.random.PRNGKey(2), (2, 3, 40), 0, 40)
     np.testing.assert_allclose(rope(x, pos, 1e4, rope_table(40, 64, 1e4)), rope(x, pos, 1e4),
                                atol=1e-6, rtol=0)
+    edge = jnp.asarray([-1, 0, 39, 40])  # padding, both ends, one past the table
+    out = np.asarray(rope(x[0, 0, :4], edge, 1e4, rope_table(40, 64, 1e4)))
+    np.testing.assert_allclose(out[:3], rope(x[0, 0, :3], edge[:3], 1e4)[:3].at[0].set(
+        x[0, 0, 0]), atol=1e-6, rtol=0)  # -1 reads position 0 (the identity rotation)
+    assert np.isnan(out[3]).all()  # past the table: NaN, never a wrong rotation

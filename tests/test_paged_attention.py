@@ -191,3 +191,19 @@ def test_quantized_pages_close_to_float():
     for kind, tol in (("int8", 0.02), ("int4", 0.3), ("bf16", 0.01)):
         err = np.abs(np.asarray(pa.dequantize_pages(pa.quantize_pages(x, kind, group=32)) - x))
         assert err.max() < tol, (kind, err.max())
+
+
+def test_valid_tokens_and_probs_by_hand():
+    """The mask the kernel wrapper and the reference share, checked independently of both:
+    a slot counts when it is below the row's length and its page is inside the pool."""
+    block_tables = jnp.asarray([[0, 3, -1], [2, 5, 1]])  # pool of 4 pages: 5 is outside
+    got = np.asarray(pa._valid_tokens(block_tables, jnp.asarray([5, 6]), 2, 4))  # page size 2
+    want = np.array([[1, 1, 1, 1, 0, 0],  # tokens 0-3 on pages 0, 3; token 4 on page -1
+                     [1, 1, 0, 0, 1, 1]], bool)  # page 5 is outside the pool
+    np.testing.assert_array_equal(got, want)
+    scores = jnp.log(jnp.asarray([[1.0, 2.0, 5.0]]))
+    valid = jnp.asarray([[True, True, False]])
+    lse = jnp.log(jnp.asarray([[3.0]]))
+    np.testing.assert_allclose(pa._probs(scores, valid, lse), [[1 / 3, 2 / 3, 0.0]], rtol=1e-6)
+    np.testing.assert_array_equal(pa._probs(scores, valid, jnp.full((1, 1), -jnp.inf)),
+                                  [[1.0, 2.0, 0.0]])  # no attended token: lse -inf is not used

@@ -232,8 +232,8 @@ def test_pyramid_over_adakv_gives_per_layer_and_per_head_budgets():
         logits, cache = model_step(params(), jnp.ones((1, 3), jnp.int32), cache, CFG,
                                    jnp.asarray([3], jnp.int32))
     assert np.isfinite(np.asarray(logits)).all()
-    for g, b in zip(cache.groups, policy.budgets()):
-        assert (np.asarray(g.head_slots()).sum(-1) == 2 * b).all()
+    per_layer = np.asarray(cache.head_slots()).sum(-1)[:, 0]  # [L] over all groups
+    assert per_layer.tolist() == [2 * b for b in policy.budgets()]
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -251,5 +251,14 @@ def test_bad_input():
     with pytest.raises(ValueError, match=r"keep_heads=\(0,\) cannot apply to policy 'adasnapkv'"):
         KVCache.init(CFG, 1, get_policy("adasnapkv", budget=8, window=2),
                      get_format("int4", key_mode="token", keep_heads=(0,)), MAX_LEN)
+    int4 = get_format("int4", group=8)  # per-channel keys: slot groups of 8 along the pool
+    for name in ("adakv", "adasnapkv"):  # adasnapkv: before its prefill, not at compress
+        with pytest.raises(ValueError, match=rf"policy '{name}': budget=5 gives a pool of "
+                                             r"Hkv · budget = 2 · 5 = 10 slots.*'int4'.*"
+                                             r"budgets that fit near it: \[8, 12, 16\]"):
+            KVCache.init(CFG, 1, get_policy(name, budget=5, window=2), int4, MAX_LEN)
+    with pytest.raises(ValueError, match=r"HeadPool.init: policy 'h2o' does not evict from a "
+                                         r"head pool"):
+        HeadPool.init(CFG, 1, get_policy("h2o", budget=8, window=2), FMT, MAX_LEN)
     with pytest.raises(ValueError, match=r"policy 'adakv' is not supported on the paged layout"):
         get_layout("paged").init(CFG, 1, get_policy("adakv", budget=16, window=2), FMT, MAX_LEN)

@@ -30,18 +30,14 @@ __all__ = [
 ]
 
 
-def load_model(
-    name_or_path: str | os.PathLike = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None
-) -> tuple[ModelConfig, dict, Tokenizer]:
-    """(ModelConfig, float32 numpy params, Tokenizer) from a registered name, a .gguf or a HF dir.
-
-    Existing paths win over registry names; a registered name is fetched into the cache first.
-    """
+def _resolve(name_or_path, cache_dir) -> tuple[str, Path]:
+    """("gguf" | "hf", path) of a registered name, a .gguf file or a HF directory; existing
+    paths win over registry names, a registered name is fetched into the cache first."""
     p = Path(name_or_path).expanduser()
     if p.is_file():
-        return _load_gguf_file(p, name=None)
+        return "gguf", p
     if is_hf_dir(p):
-        return load_hf_dir(p)
+        return "hf", p
     s = str(name_or_path)
     if p.is_dir() and resolve(s) is None:
         raise FileNotFoundError(
@@ -54,7 +50,21 @@ def load_model(
             f"{', '.join(registered_names())})"
         )
     spec = get_spec(s)
-    return _load_gguf_file(fetch_model(spec.name, cache_dir=cache_dir), name=spec.name)
+    return "gguf", fetch_model(spec.name, cache_dir=cache_dir)
+
+
+def load_model(
+    name_or_path: str | os.PathLike = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None
+) -> tuple[ModelConfig, dict, Tokenizer]:
+    """(ModelConfig, float32 numpy params, Tokenizer) from a registered name, a .gguf or a HF dir.
+
+    Existing paths win over registry names; a registered name is fetched into the cache first.
+    """
+    kind, path = _resolve(name_or_path, cache_dir)
+    if kind == "hf":
+        return load_hf_dir(path)
+    name = None if Path(name_or_path).expanduser().is_file() else get_spec(str(name_or_path)).name
+    return _load_gguf_file(path, name=name)
 
 
 def load_tokenizer(
@@ -62,13 +72,8 @@ def load_tokenizer(
 ) -> Tokenizer:
     """The tokenizer alone, resolved as `load_model` resolves names (no weights are read): for
     checks that need token counts before a model loads."""
-    p = Path(name_or_path).expanduser()
-    if p.is_file():
-        return Tokenizer.from_gguf(open_gguf(p))
-    if is_hf_dir(p):
-        return Tokenizer.from_hf_dir(p)
-    spec = get_spec(str(name_or_path))
-    return Tokenizer.from_gguf(open_gguf(fetch_model(spec.name, cache_dir=cache_dir)))
+    kind, path = _resolve(name_or_path, cache_dir)
+    return Tokenizer.from_hf_dir(path) if kind == "hf" else Tokenizer.from_gguf(open_gguf(path))
 
 
 def _load_gguf_file(path: Path, name: str | None) -> tuple[ModelConfig, dict, Tokenizer]:

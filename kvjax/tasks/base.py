@@ -79,9 +79,10 @@ class Task:
     def validate(self) -> None:
         """Raise a clear error for settings that cannot work (before the model loads)."""
 
-    def check_prompts(self, tokenizer, text: str) -> None:
-        """Raise ValueError when the settings cannot make the task's prompts with this
-        tokenizer (e.g. a length below the prompt's fixed parts); run before the model loads."""
+    def check_prompts(self, tokenizer, text: str, seed: int) -> None:
+        """Raise ValueError when the settings cannot make the task's prompts (those `run` will
+        build for `seed`) with this tokenizer, e.g. a length below the prompt's fixed parts;
+        run before the model loads."""
 
     def run(self, ctx: TaskContext) -> TaskResult:
         raise NotImplementedError

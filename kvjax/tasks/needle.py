@@ -85,23 +85,29 @@ class Needle(RetrievalTask):
         check_depths(self, self.depths)
         self.check_new_tokens("number")
 
-    def check_prompts(self, tokenizer, text: str) -> None:
+    def cells(self) -> list[tuple[int, float, int]]:
+        """(depth index, depth, sample) of every prompt at one length."""
+        return [(i, d, s) for i, d in enumerate(self.depths) for s in range(self.n_samples)]
+
+    def cell_prompts(self, tokenizer, haystack, seed: int, j: int):
+        """(keys, prompts) of the cells at length index j."""
+        cells = self.cells()
+        keys = [random_key((seed * 1009 + j) * 100003 + n, self.digits) for n in range(len(cells))]
+        return keys, [needle_prompt(tokenizer, haystack, self.lengths[j], d, k)
+                      for (_, d, _), k in zip(cells, keys)]
+
+    def check_prompts(self, tokenizer, text: str, seed: int) -> None:
         haystack = encode_prefix(tokenizer, text, max(self.lengths))
-        key = random_key(0, self.digits)
-        for length in self.lengths:
-            for depth in self.depths:
-                needle_prompt(tokenizer, haystack, length, depth, key)
+        for j in range(len(self.lengths)):
+            self.cell_prompts(tokenizer, haystack, seed, j)
 
     def run(self, ctx: TaskContext) -> TaskResult:
         haystack = encode_prefix(ctx.tokenizer, ctx.text, max(self.lengths))
         acc = np.zeros((len(self.depths), len(self.lengths)))
         rows, cache = [], None
         for j, length in enumerate(bar(self.lengths, ctx, f"needle ({ctx.policy.name})")):
-            cells = [(i, d, s) for i, d in enumerate(self.depths) for s in range(self.n_samples)]
-            keys = [random_key((ctx.seed * 1009 + j) * 100003 + n, self.digits)
-                    for n in range(len(cells))]
-            prompts = [needle_prompt(ctx.tokenizer, haystack, length, d, k)
-                       for (_, d, _), k in zip(cells, keys)]
+            cells = self.cells()
+            keys, prompts = self.cell_prompts(ctx.tokenizer, haystack, ctx.seed, j)
             out, cache = greedy_generate(ctx, prompts, self.new_tokens, self.chunk)
             for (i, d, s), k, toks in zip(cells, keys, out):
                 answer = ctx.tokenizer.decode(toks, skip_special_tokens=True)

@@ -71,12 +71,18 @@ class Passkey(RetrievalTask):
         check_depths(self, [self.depth])
         self.check_new_tokens("key")
 
-    def check_prompts(self, tokenizer, text: str) -> None:
-        passkey_prompt(tokenizer, self.length, self.depth, random_key(0, self.digits))
+    def keys(self, seed: int) -> list[int]:
+        return [random_key(seed * 100003 + i, self.digits) for i in range(self.n_samples)]
+
+    def prompts(self, tokenizer, keys) -> list[list[int]]:
+        return [passkey_prompt(tokenizer, self.length, self.depth, k) for k in keys]
+
+    def check_prompts(self, tokenizer, text: str, seed: int) -> None:
+        self.prompts(tokenizer, self.keys(seed))
 
     def run(self, ctx: TaskContext) -> TaskResult:
-        keys = [random_key(ctx.seed * 100003 + i, self.digits) for i in range(self.n_samples)]
-        prompts = [passkey_prompt(ctx.tokenizer, self.length, self.depth, k) for k in keys]
+        keys = self.keys(ctx.seed)
+        prompts = self.prompts(ctx.tokenizer, keys)
         out, cache = greedy_generate(ctx, prompts, self.new_tokens, self.chunk)
         rows = []
         for i, (k, toks) in enumerate(zip(keys, out)):
