@@ -12,13 +12,16 @@ entries compete, and the K · T lowest-scored go (ties to the oldest position). 
 `score="acc"` is H2O's accumulated attention (summed over the kv group's query heads; a head's
 softmax rows sum to its G query heads, so scores compare across heads); `score="current"` is
 the current query's attention (TOVA per head). Each head's `n_sink` first and `window` most
-recent tokens are protected: the window is Ada-KV's safeguard, a floor under every head's share.
+recent tokens are protected, and so are its own best int(floor · (budget - window - n_sink))
+candidates, cached or new (Ada-KV's safeguard, alpha = 0.2): no head's share drops below that.
+floor=1 guards each head's whole share, which is the per-head policy with the same scores.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from kvjax.policies.base import Evicting, check_choice, evict, protect, register, scatter_slots
@@ -34,10 +37,18 @@ class AdaKV(Evicting):
     budget: int | None = 256  # mean slots per kv head: the pool holds K · budget per layer
     window: int = 32  # per head
     score: str = "acc"
+    floor: float = 0.2  # share of each head's heavy budget kept by its own ranking
 
     def __post_init__(self):
         super().__post_init__()
         check_choice(self, "score", self.score, SCORES)
+        if not 0.0 <= self.floor <= 1.0:
+            raise ValueError(f"policy 'adakv': floor must be in [0, 1], got {self.floor!r}")
+
+    def floor_slots(self) -> int:
+        """Cached entries each head keeps by its own ranking, beside its sinks and window."""
+        heavy = 0 if self.budget is None else self.budget - self.window - self.n_sink
+        return int(self.floor * max(0, heavy))
 
     def init_stats(self, B, K, C):
         return {"acc": jnp.zeros((B, K, C), jnp.float32)} if self.score == "acc" else {}
@@ -56,6 +67,32 @@ class AdaKV(Evicting):
         pos_flat = jnp.tile(pos_new, (1, K))  # [B, K·T]: every head's copy of the chunk
         new = new.reshape(B, 1, K * T)  # [B, 1, K·T], head-major like pos_flat
         protected, protected_new = protect(view, pos_flat, self.n_sink, self.window)
+        if self.floor_slots() > 0:  # each head's own best entries, cached or new, stay
+            heads = jnp.repeat(jnp.arange(K, dtype=view.owner.dtype), T)  # [K·T]
+            best = own_best(jnp.concatenate([view.pos, pos_flat[:, None]], -1),
+                            jnp.concatenate([view.owner, jnp.broadcast_to(heads, new.shape)], -1),
+                            jnp.concatenate([cached, new], -1),
+                            jnp.concatenate([protected, protected_new], -1), K,
+                            self.floor_slots())  # [B, 1, P + K·T]
+            protected, protected_new = protected | best[..., :P], protected_new | best[..., P:]
         slots = evict(view, pos_flat, cached, new, protected, protected_new)  # [B, 1, K·T]
         stats = {"acc": scatter_slots(cached, slots, new)} if self.score == "acc" else {}
         return slots.reshape(B, K, T), stats
+
+
+
+def own_best(pos, owner, score, protected, K: int, n: int):
+    """[B, 1, N] mask of each head's n best-scored unprotected candidates (ties: the newer).
+
+    pos, owner, score, protected: [B, 1, N] over the candidates (cached slots and new
+    entries), owner the kv head of each."""
+    B, _, N = pos.shape
+    ok = (pos >= 0) & ~protected
+    group = jnp.where(ok, owner.astype(jnp.int32), K)[:, 0]  # [B, N]; K = not ranked
+    idx = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
+    g, _, _, order = jax.lax.sort((group, -score[:, 0], -pos[:, 0], idx), dimension=-1,
+                                  num_keys=3)  # by head, best first
+    start = jnp.sum(group[:, :, None] < jnp.arange(K + 1), axis=1)  # [B, K + 1] block starts
+    rank = idx - jnp.take_along_axis(start, g, axis=-1)  # rank within its head (sorted order)
+    best = jnp.zeros((B, N), bool).at[jnp.arange(B)[:, None], order].set((rank < n) & (g < K))
+    return best[:, None]

@@ -35,12 +35,14 @@ CFG = tiny_config(max_seq_len=MAX_LEN)  # 2 kv heads, 4 query heads, 2 layers
 # ----------------------------------------------------------------------------- the reference
 
 
-def adakv_reference(A, chunks, C, n_sink=0, window=0, score="acc"):
+def adakv_reference(A, chunks, C, n_sink=0, window=0, score="acc", floor=0.2):
     """Kept positions per kv head after each chunk, for one row, from Ada-KV's definition.
 
     A: [K, N, N] attention rows (query, key) summed over each kv group's query heads. All
     (head, position) entries of the layer compete for K · C slots: after each chunk the lowest
-    scored unprotected entries go, ties to the oldest position, then the lowest head."""
+    scored unprotected entries go, ties to the oldest position, then the lowest head. Each
+    head's sinks, window and its own best int(floor · (C - window - n_sink)) other entries
+    (the safeguard; ties keep the newer) are protected."""
     K = A.shape[0]
     kept: dict[tuple[int, int], float] = {}  # (head, position) -> accumulated attention
     out = []
@@ -60,8 +62,16 @@ def adakv_reference(A, chunks, C, n_sink=0, window=0, score="acc"):
                 s = kept[e] if score == "acc" else float(A[k, t_last, j])
                 return (s, j, k)
 
+            def protected(e, t_last=t_last):
+                return e[1] < n_sink or e[1] > t_last - window
+
+            n_floor = int(floor * max(0, C - window - n_sink))
+            guard = set()
+            for k in range(K):
+                mine = [e for e in kept if e[0] == k and not protected(e)]
+                guard |= set(sorted(mine, key=lambda e: (-key(e)[0], -e[1]))[:n_floor])
             while len(kept) > K * C:
-                cands = [e for e in kept if not (e[1] < n_sink or e[1] > t_last - window)]
+                cands = [e for e in kept if not protected(e) and e not in guard]
                 del kept[min(cands, key=key)]
         out.append([sorted(j for (h, j) in kept if h == k) for k in range(K)])
     return out
@@ -91,10 +101,12 @@ def drive(cache, A, plan):
 
 @pytest.mark.parametrize("sizes", [(1,), (1, 3, 7)], ids=["token", "chunks"])
 @pytest.mark.parametrize("opts", [
-    {"score": "acc", "window": 1},
+    {"score": "acc", "window": 1, "floor": 0.0},
     {"score": "acc", "n_sink": 1, "window": 2},
-    {"score": "current", "window": 1},
-], ids=["acc", "acc-sinks", "current"])
+    {"score": "current", "window": 1, "floor": 0.0},
+    {"score": "acc", "window": 1, "floor": 0.7},  # 2 of each head's 3 heavy slots guarded
+    {"score": "current", "window": 0, "floor": 0.5},
+], ids=["acc", "acc-sinks", "current", "acc-floor", "current-floor"])
 def test_joint_eviction_matches_reference(opts, sizes):
     """2 rows x 3 heads, budget 4 per head (a pool of 12), 40 steps with padding; chunks of up
     to 7 tokens (21 entries) overflow the pool, so new entries lose too."""
@@ -184,6 +196,36 @@ def test_invariants_through_the_model(plan, score, seed):
             if lengths[b] <= policy.budget:
                 np.testing.assert_allclose(logits[b, :n_valid[b]], ref_logits[b, :n_valid[b]],
                                            atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("score,per_head", [("acc", ("h2o", {})),
+                                             ("current", ("tova", {"per_head": True}))])
+def test_floor_one_is_the_per_head_policy(score, per_head):
+    """floor=1 guards each head's whole share: the pool then evicts exactly as the per-head
+    policy with the same scores (h2o, TOVA per head), token by token through the model (peaked
+    attention: scale-0.5 weights); floor=0 (joint allocation only) does not."""
+    weights = init_params(CFG, jax.random.PRNGKey(1), scale=0.5)
+    opts = {"budget": 5, "window": 2, "n_sink": 1}
+    name, extra = per_head
+    for floor in (1.0, 0.0):
+        pool = KVCache.init(CFG, 2, get_policy("adakv", score=score, floor=floor, **opts), FMT,
+                            MAX_LEN)
+        fixed = KVCache.init(CFG, 2, get_policy(name, **opts, **extra), FMT, MAX_LEN)
+        rng = np.random.default_rng(3)
+        same = []
+        for _ in range(16):
+            toks = jnp.asarray(rng.integers(0, CFG.vocab_size, size=(2, 1)), jnp.int32)
+            nv = jnp.ones((2,), jnp.int32)
+            lp, pool = model_step(weights, toks, pool, CFG, nv)
+            lf, fixed = model_step(weights, toks, fixed, CFG, nv)
+            pos = np.asarray(fixed.pos)
+            for layer in range(CFG.n_layers):
+                want = [[sorted(int(p) for p in pos[layer, b, k] if p >= 0) for k in range(2)]
+                        for b in range(2)]
+                same.append(pool_sets(pool, layer) == want)
+            if floor == 1.0:
+                np.testing.assert_allclose(lp, lf, atol=1e-4, rtol=0)
+        assert all(same) if floor == 1.0 else not all(same)
 
 
 def test_decode_compiles_once_and_keeps_the_pool_full():
