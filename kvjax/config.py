@@ -48,10 +48,10 @@ class ModelConfig:
 
 def tiny_config(n_heads: int = 4, n_kv_heads: int = 2, **kw) -> ModelConfig:
     """A small random-init config for fast tests."""
-    base = dict(
-        vocab_size=64, d_model=32, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
-        head_dim=8, d_ff=64, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False,
-        max_seq_len=128, name="tiny",
-    )
+    base = {
+        "vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads, "head_dim": 8, "d_ff": 64, "rope_theta": 10000.0,
+        "norm_eps": 1e-5, "tie_embeddings": False, "max_seq_len": 128, "name": "tiny",
+    }
     base.update(kw)
     return ModelConfig(**base)
