@@ -22,8 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import evict, register, scatter_slots
-from kvjax.policies.snapkv import SnapKV
+from kvjax.policies.base import register
+from kvjax.policies.snapkv import SnapKV, slide_unpinned
 
 
 @register
@@ -56,11 +56,8 @@ class AdaSnapKV(SnapKV):
         key = jnp.where(prefix, -score, jnp.inf)  # [B, K, C0] lower = keep
         floor = int(self.floor * (P // K - self.window))
         if floor > 0:  # each head's own best `floor` prefix entries are kept first
-            slot = jnp.broadcast_to(jnp.arange(C0, dtype=jnp.int32), (B, K, C0))
-            order = jax.lax.sort((key, -view.pos, slot), dimension=-1, num_keys=3)[2]
-            rank = jnp.zeros_like(slot).at[
-                jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], order].set(slot)
-            key = jnp.where(prefix & (rank < floor), -jnp.inf, key)
+            own = prefix & (self.prefix_rank(view, prefix, score) < floor)
+            key = jnp.where(own, -jnp.inf, key)
         key = jnp.where(recent, -jnp.inf, key)
         idx = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
         skey, _, order = jax.lax.sort((key.reshape(B, N), -view.pos.reshape(B, N), idx),
@@ -75,10 +72,5 @@ class AdaSnapKV(SnapKV):
             return self._observe(view, pos_new, probs)
         B = view.pos.shape[0]  # the pool: [B, 1, P]
         K, T = probs.shape[1], probs.shape[2]
-        pos_flat = jnp.tile(pos_new, (1, K))  # [B, K·T]: every head's copy of the chunk
-        pinned = view.stats["pinned"] & (view.pos >= 0)  # [B, 1, P]
-        zeros = jnp.zeros(view.pos.shape, jnp.float32)  # equal scores: the oldest goes first
-        no = jnp.zeros((B, 1, K * T), bool)
-        slots = evict(view, pos_flat, zeros, no.astype(jnp.float32), pinned, no)  # [B, 1, K·T]
-        stats = {"pinned": scatter_slots(view.stats["pinned"], slots, no)}
+        slots, stats = slide_unpinned(view, jnp.tile(pos_new, (1, K)))  # [B, 1, K·T]
         return slots.reshape(B, K, T), stats

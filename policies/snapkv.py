@@ -30,6 +30,7 @@ from kvjax.policies.base import (
     evict,
     rebuild,
     register,
+    scatter_slots,
 )
 
 POOLS = ("max", "avg")
@@ -71,13 +72,7 @@ class SnapKV(Policy):
     def update(self, view, k_new, v_new, pos_new, probs):
         if "obs" in view.stats:
             return self._observe(view, pos_new, probs)
-        pinned = view.stats["pinned"] & (view.pos >= 0)  # [B, K, C]
-        zeros = jnp.zeros(view.pos.shape, jnp.float32)  # equal scores: the oldest goes first
-        no = jnp.zeros(broadcast_new(pos_new, view.pos.shape[1]).shape, bool)
-        slots = evict(view, pos_new, zeros, no.astype(jnp.float32), pinned, no)
-        return slots, {"pinned": view.stats["pinned"].at[
-            jnp.arange(slots.shape[0])[:, None, None], jnp.arange(slots.shape[1])[None, :, None],
-            slots].set(False, mode="drop")}
+        return slide_unpinned(view, pos_new)
 
     def _observe(self, view, pos_new, probs):
         """Prefill: slot = position, and the last `window` query rows go into the ring."""
@@ -116,24 +111,42 @@ class SnapKV(Policy):
         score = pool_1d(jnp.sum(view.stats["obs"], axis=-1), prefix, self.kernel, self.pool)
         return prefix, recent, score
 
+    def prefix_rank(self, view, prefix, score):
+        """Rank of each prefix slot within its head, best pooled score first, ties to the later
+        position: [B, K, C0] (0 = best; slots outside the prefix rank after every prefix slot)."""
+        B, K, C0 = view.pos.shape
+        key = jnp.where(prefix, -score, jnp.inf)  # lower = better
+        idx = jnp.broadcast_to(jnp.arange(C0, dtype=jnp.int32), view.pos.shape)
+        order = jax.lax.sort((key, -view.pos, idx), dimension=-1, num_keys=3)[2]  # [B, K, C0]
+        return jnp.zeros_like(idx).at[
+            jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], order].set(idx)
+
     def select(self, view):
         """One layer: (kept slot indices [B, K, budget] in position order, decode stats)."""
         B, K, C0 = view.pos.shape
         Cb = C0 if self.budget is None else self.budget
         W = self.window
         prefix, recent, score = self.prompt_scores(view)
-        key = jnp.where(prefix, -score, jnp.inf)  # lower = better
         idx = jnp.broadcast_to(jnp.arange(C0, dtype=jnp.int32), view.pos.shape)
-        order = jax.lax.sort((key, -view.pos, idx), dimension=-1, num_keys=3)[2]  # [B, K, C0]
-        rank = jnp.zeros_like(idx).at[
-            jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], order].set(idx)
-        chosen = prefix & (rank < Cb - W)
+        chosen = prefix & (self.prefix_rank(view, prefix, score) < Cb - W)
         kept = chosen | recent  # [B, K, C0], at most Cb per head
         nth = jnp.where(kept, jnp.cumsum(kept, axis=-1) - 1, Cb)
         keep = jnp.full((B, K, Cb), C0, jnp.int32).at[
             jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], nth].set(idx, mode="drop")
         pinned = jnp.take_along_axis(chosen, jnp.minimum(keep, C0 - 1), axis=-1) & (keep < C0)
         return keep, {"pinned": pinned}
+
+
+def slide_unpinned(view, pos_new):
+    """Decode after compress: pinned slots stay, the oldest unpinned token goes (equal scores).
+
+    view: [B, K', C] slots with stats["pinned"]; pos_new [B, N] the entries arriving in every
+    one of the K' heads. Returns (slots [B, K', N], stats with the reused slots unpinned)."""
+    pinned = view.stats["pinned"] & (view.pos >= 0)  # [B, K', C]
+    zeros = jnp.zeros(view.pos.shape, jnp.float32)
+    no = jnp.zeros(broadcast_new(pos_new, view.pos.shape[1]).shape, bool)  # [B, K', N]
+    slots = evict(view, pos_new, zeros, no.astype(jnp.float32), pinned, no)
+    return slots, {"pinned": scatter_slots(view.stats["pinned"], slots, no)}
 
 
 def pool_1d(x, valid, kernel: int, pool: str):
