@@ -33,7 +33,7 @@ from flax import struct
 
 from kvjax.attention import attention, rope, rope_table
 from kvjax.config import ModelConfig
-from kvjax.policies.base import LayerView
+from kvjax.policies.base import LayerView, pool_entries
 
 LAYOUTS = ("dense", "paged")
 
@@ -315,9 +315,9 @@ class HeadPool(KVCache):
         def by_head(x):  # [B, T, K, E] -> [B, K·T, 1, E]
             return jnp.swapaxes(x, 1, 2).reshape(B, K * T, 1, E)
 
-        out = super().write(layer, flat, by_head(k_new), by_head(v_new),
-                            jnp.tile(pos_new, (1, K)), stats)
-        heads = jnp.broadcast_to(jnp.repeat(jnp.arange(K, dtype=self.owner.dtype), T), flat.shape)
+        pos_flat, heads = pool_entries(pos_new, K, self.owner.dtype)  # [B, K·T], [K·T]
+        out = super().write(layer, flat, by_head(k_new), by_head(v_new), pos_flat, stats)
+        heads = jnp.broadcast_to(heads, flat.shape)
         with jax.named_scope("cache_update"):
             return out.replace(owner=self.owner.at[layer, jnp.arange(B)[:, None, None], 0,
                                                    flat].set(heads, mode="drop"))

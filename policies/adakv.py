@@ -24,7 +24,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import Evicting, check_choice, evict, protect, register, scatter_slots
+from kvjax.policies.base import (
+    Evicting,
+    check_choice,
+    evict,
+    pool_entries,
+    protect,
+    register,
+    scatter_slots,
+)
 
 SCORES = ("acc", "current")
 
@@ -64,11 +72,10 @@ class AdaKV(Evicting):
             row = jnp.take_along_axis(probs, last[:, None, None, None], axis=2)[:, :, 0]
             cached = jnp.sum(row[..., :P], axis=1)[:, None]  # [B, 1, P]
             new = row[..., P:]  # [B, K, T]
-        pos_flat = jnp.tile(pos_new, (1, K))  # [B, K·T]: every head's copy of the chunk
+        pos_flat, heads = pool_entries(pos_new, K, view.owner.dtype)  # [B, K·T], [K·T]
         new = new.reshape(B, 1, K * T)  # [B, 1, K·T], head-major like pos_flat
         protected, protected_new = protect(view, pos_flat, self.n_sink, self.window)
         if self.floor_slots() > 0:  # each head's own best entries, cached or new, stay
-            heads = jnp.repeat(jnp.arange(K, dtype=view.owner.dtype), T)  # [K·T]
             best = own_best(jnp.concatenate([view.pos, pos_flat[:, None]], -1),
                             jnp.concatenate([view.owner, jnp.broadcast_to(heads, new.shape)], -1),
                             jnp.concatenate([cached, new], -1),

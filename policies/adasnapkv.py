@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import register
+from kvjax.policies.base import pool_entries, register
 from kvjax.policies.snapkv import SnapKV, slide_unpinned
 
 
@@ -72,5 +72,5 @@ class AdaSnapKV(SnapKV):
             return self._observe(view, pos_new, probs)
         B = view.pos.shape[0]  # the pool: [B, 1, P]
         K, T = probs.shape[1], probs.shape[2]
-        slots, stats = slide_unpinned(view, jnp.tile(pos_new, (1, K)))  # [B, 1, K·T]
+        slots, stats = slide_unpinned(view, pool_entries(pos_new, K)[0])  # [B, 1, K·T]
         return slots.reshape(B, K, T), stats

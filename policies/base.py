@@ -128,6 +128,13 @@ def broadcast_new(pos_new, K: int):
     return jnp.broadcast_to(pos_new[:, None, :], (pos_new.shape[0], K, pos_new.shape[1]))
 
 
+def pool_entries(pos_new, K: int, dtype=jnp.int32):
+    """A chunk as a head pool (`kvjax.cache.HeadPool`) takes it: every kv head's copy of each
+    token, head-major. Returns (positions [B, K·T], the kv head of each entry [K·T])."""
+    T = pos_new.shape[-1]
+    return jnp.tile(pos_new, (1, K)), jnp.repeat(jnp.arange(K, dtype=dtype), T)
+
+
 def drop_invalid(slots, pos_new, C: int):
     """Padding tokens (position -1) are never stored: slot C is dropped by the scatter."""
     return jnp.where(broadcast_new(pos_new, slots.shape[1]) >= 0, slots, C).astype(jnp.int32)
