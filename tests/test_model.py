@@ -21,41 +21,54 @@ FULL = get_policy("full")
 HEADS = {"mha": (4, 4), "mqa": (4, 1), "gqa": (6, 2)}
 
 
+def np_norm(h, w, eps):
+    """RMSNorm in NumPy."""
+    return h / np.sqrt((h * h).mean(-1, keepdims=True) + eps) * w
+
+
+def np_rope(h, pos, theta):
+    """Rotary embedding in NumPy, HF rotate_half pairs: h [N, E] at positions pos [N]."""
+    E = h.shape[-1]
+    ang = np.asarray(pos, np.float64)[:, None] / theta ** (np.arange(0, E, 2) / E)  # [N, E/2]
+    a, b = h[:, : E // 2], h[:, E // 2:]
+    return np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1)
+
+
+def np_layer_out(x, out, lp, cfg):
+    """A layer's attention heads out [T, H, E] through the output projection, then the SwiGLU
+    block, both residual: the next residual stream [T, D]."""
+    x = x + np.einsum("THE,HED->TD", out, lp["wo"])
+    h = np_norm(x, lp["mlp_norm"], cfg.norm_eps)
+    g = h @ lp["w_gate"]
+    return x + (g / (1 + np.exp(-g)) * (h @ lp["w_up"])) @ lp["w_down"]
+
+
+def np_logits(x, p, cfg):
+    x = np_norm(x, p["final_norm"], cfg.norm_eps)
+    return x @ (p["embed"].T if cfg.tie_embeddings else p["lm_head"])
+
+
 def numpy_decoder(p, cfg, ids):
     """A plain NumPy Llama forward over one sequence, written from the architecture's definition
     (no cache, explicit per-head loops): logits [T, V]."""
     p = jax.tree.map(np.asarray, p)
     T, E = len(ids), cfg.head_dim
     x = p["embed"][ids].astype(np.float64)
-
-    def norm(h, w):
-        return h / np.sqrt((h * h).mean(-1, keepdims=True) + cfg.norm_eps) * w
-
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, E, 2) / E)
-    ang = np.arange(T)[:, None] * inv  # [T, E/2]
-
-    def rot(h):  # [T, E]
-        a, b = h[:, : E // 2], h[:, E // 2:]
-        return np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1)
-
+    pos = np.arange(T)
     for layer in range(cfg.n_layers):
         lp = {k: v[layer] for k, v in p["layers"].items()}
-        h = norm(x, lp["attn_norm"])
+        h = np_norm(x, lp["attn_norm"], cfg.norm_eps)
         out = np.zeros((T, cfg.n_heads, E))
         for head in range(cfg.n_heads):
             kv = head // (cfg.n_heads // cfg.n_kv_heads)
-            q = rot(h @ lp["wq"][:, head])
-            k = rot(h @ lp["wk"][:, kv])
+            q = np_rope(h @ lp["wq"][:, head], pos, cfg.rope_theta)
+            k = np_rope(h @ lp["wk"][:, kv], pos, cfg.rope_theta)
             v = h @ lp["wv"][:, kv]
             s = q @ k.T / np.sqrt(E) + np.triu(np.full((T, T), -np.inf), 1)
             w = np.exp(s - s.max(-1, keepdims=True))
             out[:, head] = (w / w.sum(-1, keepdims=True)) @ v
-        x = x + np.einsum("THE,HED->TD", out, lp["wo"])
-        h = norm(x, lp["mlp_norm"])
-        g = h @ lp["w_gate"]
-        x = x + (g / (1 + np.exp(-g)) * (h @ lp["w_up"])) @ lp["w_down"]
-    x = norm(x, p["final_norm"])
-    return x @ (p["embed"].T if cfg.tie_embeddings else p["lm_head"])
+        x = np_layer_out(x, out, lp, cfg)
+    return np_logits(x, p, cfg)
 
 
 def _model(kind, **kw):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_model import np_layer_out, np_logits, np_norm, np_rope
 
 from kvjax import paged
 from kvjax.cache import KVCache, get_layout, init_cache
@@ -86,16 +87,9 @@ def numpy_rule_decoder(p, cfg, ids, chunks, window, sinks, page, rope_cache):
     down by shift = s - (tokens held)."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
     E = cfg.head_dim
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, E, 2) / E)
 
     def rot(h, pos):  # h [N, E], pos [N]
-        a, b = h[:, : E // 2], h[:, E // 2:]
-        ang = np.asarray(pos, np.float64)[:, None] * inv
-        return np.concatenate(
-            [a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1)
-
-    def norm(h, w):
-        return h / np.sqrt((h * h).mean(-1, keepdims=True) + cfg.norm_eps) * w
+        return np_rope(h, pos, cfg.rope_theta)
 
     T = len(ids)
     n_sink_tok = -(-sinks // page) * page
@@ -112,7 +106,7 @@ def numpy_rule_decoder(p, cfg, ids, chunks, window, sinks, page, rope_cache):
     G = cfg.n_heads // cfg.n_kv_heads
     for layer in range(cfg.n_layers):
         lp = {k: v[layer] for k, v in p["layers"].items()}
-        h = norm(x, lp["attn_norm"])
+        h = np_norm(x, lp["attn_norm"], cfg.norm_eps)
         out = np.zeros((T, cfg.n_heads, E))
         for head in range(cfg.n_heads):
             kv = head // G
@@ -121,12 +115,8 @@ def numpy_rule_decoder(p, cfg, ids, chunks, window, sinks, page, rope_cache):
                 sc = rot(kr[keys], kpos) @ rot(qr[q][None], [qpos])[0] / np.sqrt(E)
                 w = np.exp(sc - sc.max())
                 out[q, head] = (w / w.sum()) @ vr[keys]
-        x = x + np.einsum("THE,HED->TD", out, lp["wo"])
-        h = norm(x, lp["mlp_norm"])
-        g = h @ lp["w_gate"]
-        x = x + (g / (1 + np.exp(-g)) * (h @ lp["w_up"])) @ lp["w_down"]
-    x = norm(x, p["final_norm"])
-    return x @ (p["embed"].T if cfg.tie_embeddings else p["lm_head"])
+        x = np_layer_out(x, out, lp, cfg)
+    return np_logits(x, p, cfg)
 
 
 RULE_CASES = [  # (policy, window, sinks, rope_cache)
