@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from kvjax.policies.base import (
     Evicting,
     check_choice,
+    check_share,
     evict,
     pool_entries,
     protect,
@@ -50,8 +51,7 @@ class AdaKV(Evicting):
     def __post_init__(self):
         super().__post_init__()
         check_choice(self, "score", self.score, SCORES)
-        if not 0.0 <= self.floor <= 1.0:
-            raise ValueError(f"policy 'adakv': floor must be in [0, 1], got {self.floor!r}")
+        check_share(self, "floor", self.floor)
 
     def floor_slots(self) -> int:
         """Cached entries each head keeps by its own ranking, beside its sinks and window."""

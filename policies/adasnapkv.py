@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import pool_entries, register
+from kvjax.policies.base import check_share, pool_entries, register
 from kvjax.policies.snapkv import SnapKV, slide_unpinned
 
 
@@ -35,8 +35,7 @@ class AdaSnapKV(SnapKV):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0.0 <= self.floor <= 1.0:
-            raise ValueError(f"policy 'adasnapkv': floor must be in [0, 1], got {self.floor!r}")
+        check_share(self, "floor", self.floor)
 
     def compress(self, cache):
         """Prefill cache (capacity max length, per head) -> a pool of K · budget slots."""

@@ -184,6 +184,12 @@ def check_counts(policy, **values) -> None:
                              f"got {value!r}")
 
 
+def check_share(policy, key: str, value) -> None:
+    """A share of a budget: a number in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
+        raise ValueError(f"policy {policy.name!r}: {key} must be in [0, 1], got {value!r}")
+
+
 def check_choice(policy, key: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"policy {policy.name!r}: {key}={value!r} is not one of {choices}")

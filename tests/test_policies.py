@@ -290,6 +290,9 @@ def test_budget_above_max_length_fails_before_allocating():
     ("lru", {"top_k": 0}, r"top_k must be an integer >= 1"),
     ("h2o", {"window": -1}, r"window must be an integer >= 0, got -1"),
     ("random", {"seed": -1}, r"seed must be an integer >= 0"),
+    ("adakv", {"floor": 1.5}, r"policy 'adakv': floor must be in \[0, 1\], got 1.5"),
+    ("adasnapkv", {"floor": "all"}, r"policy 'adasnapkv': floor must be in \[0, 1\], got 'all'"),
+    ("adakv", {"score": "max"}, r"score='max' is not one of \('acc', 'current'\)"),
 ])
 def test_bad_hyperparameters(name, opts, match):
     with pytest.raises(ValueError, match=match):
