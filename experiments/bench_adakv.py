@@ -41,8 +41,8 @@ from kvjax.tasks.base import nll_chunk
 
 SECTIONS = ("bytes", "ppl", "prompt", "speed")
 WINDOW = 16  # every policy's protected recent window (per head)
-PAIRS = (("h2o", {}), ("adakv", {"score": "acc"}), ("tova", {"per_head": True}),
-         ("adakv", {"score": "current"}))
+PAIRS = (("h2o", {}), ("adakv", {"score_by": "acc"}), ("tova", {"per_head": True}),
+         ("adakv", {"score_by": "current"}))
 PROMPT_POLICIES = (("h2o", {}), ("adakv", {}), ("snapkv", {}), ("adasnapkv", {}))
 _nll_step = jax.jit(nll_chunk, static_argnames=("cfg",), donate_argnames=("cache",))
 

@@ -5,6 +5,14 @@ whether slots hold f32 or packed int4; what each slot holds belongs to the polic
 through `write`, which scatters only the written slots of one layer (the cache rides in the
 layer scan's carry, so a decode step never copies the whole cache).
 
+Compress mode (`policy.mode="compress"`): the prompt is prefilled into a cache with room for
+all of it, then `cache.compress(extra)` keeps the slots the policy selects and leaves `extra`
+empty slots per kv head for the tokens that follow; `cache.grow(extra)` adds room to any dense
+cache. Both rebuild through the format's read and write (`rebuild`), so every format works.
+
+The caches that `kvjax.generate.prefill` and `decode_step` take are donated (their buffers are
+reused in place): keep one for later with `copy(cache)` before passing it.
+
 Layouts: `get_layout("dense")` builds this `KVCache`; `get_layout("paged", page_size=16,
 impl="pallas")` builds a `kvjax.paged.PagedCache` (a page pool with block tables). Both give
 `forward` the same protocol, so the model never branches on the layout:
@@ -33,9 +41,34 @@ from flax import struct
 
 from kvjax.attention import attention, rope, rope_table
 from kvjax.config import ModelConfig
-from kvjax.policies.base import LayerView, pool_entries
 
 LAYOUTS = ("dense", "paged")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerView:
+    """What a policy sees of one layer's cache (before this chunk is written)."""
+
+    k: jax.Array  # [B, K, C, E] dequantized keys
+    v: jax.Array  # [B, K, C, E] dequantized values
+    pos: jax.Array  # [B, K, C] position held by each slot, -1 = empty
+    stats: Any  # this policy's per-layer stats pytree, leaves [B, K, C, ...]
+    length: jax.Array  # [B] tokens seen before this chunk
+    owner: Any = None  # head pool only ([B, 1, P] kv head of each pool slot); else None
+
+
+def pool_entries(pos_new, K: int, dtype=jnp.int32):
+    """A chunk as a head pool (`HeadPool`) takes it: every kv head's copy of each token,
+    head-major. Returns (positions [B, K·T], the kv head of each entry [K·T])."""
+    T = pos_new.shape[-1]
+    return jnp.tile(pos_new, (1, K)), jnp.repeat(jnp.arange(K, dtype=dtype), T)
+
+
+def copy(cache):
+    """A copy of any cache whose buffers survive donating the original (to `prefill`,
+    `decode_step`, ...): keep a prefill state and decode from copies of it."""
+    return jax.tree.map(jnp.copy, cache)
 
 
 def _bytes(tree) -> int:
@@ -83,11 +116,11 @@ class KVCache:
             return LayerGroups.init(cfg, batch, policy, fmt, max_len)
         if policy.head_pool and cls is KVCache:
             HeadPool.check_format(fmt, policy, cfg.n_kv_heads, cfg.head_dim, max_len)
-            if not policy.prefill_only:  # a prefill-only policy pools its heads at compress
+            if policy.mode == "evict":  # compress mode pools its heads when it selects
                 return HeadPool.init(cfg, batch, policy, fmt, max_len)
         L, K, E = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         C = policy.capacity(max_len)
-        stats = policy.init_stats(batch, K, C)
+        stats = policy.cache_stats(batch, K, C)
         return cls(
             k=fmt.init((L, batch, K, C, E), "k"),
             v=fmt.init((L, batch, K, C, E), "v"),
@@ -152,6 +185,24 @@ class KVCache:
                 stats=jax.tree.map(lambda s, n: s.at[layer].set(n), self.stats, stats),
                 nonfinite=self.nonfinite.at[layer].set(self.nonfinite[layer] | bad),
             )
+
+    def compress(self, extra: int = 0):
+        """Compress mode, after the prompt: per layer keep the slots `policy.select` chooses
+        (`policy.kept(n)` per kv head for a row of n tokens; a head pool's policy ranks all
+        heads together) and leave room for `extra` more tokens per kv head; the cache then
+        grows (`policy.grown()`). Any other cache is returned as it is."""
+        if self.policy.mode != "compress":
+            return self
+        n_keep = np.array([self.policy.kept(int(n)) for n in np.asarray(self.length)], np.int32)
+        return rebuild(self, jnp.asarray(n_keep), self.policy, int(n_keep.max()) + extra,
+                       select=True)
+
+    def grow(self, extra: int):
+        """The same cache with `extra` more empty slots per kv head (compacted, same format)."""
+        if extra < 0:
+            raise ValueError(f"grow: extra={extra} must be >= 0")
+        return rebuild(self, jnp.zeros(self.length.shape, jnp.int32), self.policy,
+                       self.capacity + extra, select=False)
 
     # ---- the protocol `kvjax.model.forward` calls (see the module docstring)
 
@@ -228,17 +279,17 @@ class HeadPool(KVCache):
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None):
         max_len = cfg.max_seq_len if max_len is None else max_len
-        if not policy.head_pool or policy.prefill_only:
+        if not policy.head_pool or policy.mode != "evict":
             raise ValueError(
-                f"HeadPool.init: policy {policy.name!r} does not evict from a head pool at "
-                "decode time (head_pool and not prefill_only); use KVCache.init"
+                f"HeadPool.init: policy {policy.name!r} does not evict from a head pool "
+                "(head_pool and mode='evict'); use KVCache.init"
             )
         policy.validate(max_len)
         L, K, E = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         cls.check_format(fmt, policy, K, E, max_len)
         P = K * policy.capacity(max_len)
         fmt = fmt.shared_by(K)
-        stats = policy.init_stats(batch, 1, P)
+        stats = policy.cache_stats(batch, 1, P)
         return cls(
             k=fmt.init((L, batch, 1, P, E), "k"),
             v=fmt.init((L, batch, 1, P, E), "v"),
@@ -323,45 +374,77 @@ class HeadPool(KVCache):
                                                    flat].set(heads, mode="drop"))
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "budget"))
-def pool_from(cache: KVCache, policy, budget: int) -> HeadPool:
-    """A HeadPool of K · budget slots per layer holding the entries of a per-head `cache` that
-    `policy.select_pool(view)` keeps: (keep [B, P] indices into the layer's flattened (head,
-    slot) axis, K · C0 = empty; the layer's stats, leaves [B, 1, P, ...]). Keys and values go
-    through the format's read and write, so any storage format works (SnapKV-style compress)."""
-    L, B, K, C0 = cache.pos.shape
-    P, N = K * budget, K * C0
-    fmt = cache.fmt.shared_by(K)
+@functools.partial(jax.jit, static_argnames=("policy", "capacity", "select"))
+def rebuild(cache: KVCache, n_keep, policy, capacity: int, select: bool) -> KVCache:
+    """A new cache of `capacity` slots per kv head holding, per layer, the slots of `cache`
+    that `policy.select(view, n_keep)` keeps (select=True: the compress-mode selection; the
+    result runs `policy.grown()`), or every slot (select=False: `grow`), compacted in slot
+    order with the rest empty. A `policy.head_pool` selection (or a pool being grown) gives a
+    `HeadPool` of K · capacity slots per layer. Keys and values go through the format's read
+    and write, so any storage format works; the format rounds the capacity up to what it can
+    store (`fmt.fit`)."""
+    L, B, Kc, C0 = cache.pos.shape  # Kc = 1 for a pool
+    K = getattr(cache, "n_heads", Kc)
+    pooled = isinstance(cache, HeadPool) or (select and policy.head_pool)
+    Kn = 1 if pooled else K  # head axis of the result
+    fmt = cache.fmt.shared_by(K) if pooled and not isinstance(cache, HeadPool) else cache.fmt
+    P = fmt.fit(K * capacity if pooled else capacity)  # slots per head axis entry
+    N = Kc * C0 if pooled else C0  # candidates per head axis entry
     view0 = jax.eval_shape(lambda c: c.layer_view(0), cache)
     E = view0.k.shape[-1]
-    stats0 = jax.eval_shape(lambda v: policy.select_pool(v)[1], view0)
-    slots = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, 1, P))
+    new_policy = policy.grown() if select else policy
+    if select:
+        stats0 = jax.eval_shape(lambda: new_policy.cache_stats(B, Kn, P))
+    b = jnp.arange(B)[:, None, None]
+    h = jnp.arange(Kn)[None, :, None]
 
     def body(carry, layer):
         k, v, pos, owner, stats = carry
         view = cache.layer_view(layer)
-        keep, st = policy.select_pool(view)  # [B, P]
-        ok = keep < N
-        idx = jnp.minimum(keep, N - 1)
+        mask = policy.select(view, n_keep) if select else view.pos >= 0  # [B, Kc, C0]
 
-        def take(x):  # [B, K, C0, E] -> [B, 1, P, E]
-            got = jnp.take_along_axis(x.reshape(B, N, E), idx[..., None], axis=1)
-            return jnp.where(ok[..., None], got, 0.0)[:, None]
+        def heads(x):  # [B, Kc, C0, ...] -> [B, Kn, N, ...]
+            return x.reshape((B, Kn, N) + x.shape[3:])
 
+        m = heads(mask)
+        nth = jnp.where(m, jnp.cumsum(m, axis=-1) - 1, P)  # [B, Kn, N]
+        idx = jnp.full((B, Kn, P), N, jnp.int32).at[b, h, nth].set(
+            jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), m.shape), mode="drop")
+        ok = idx < N  # [B, Kn, P]
+        src = jnp.minimum(idx, N - 1)
+
+        def take(x, fill=0):  # [B, Kc, C0, ...] -> [B, Kn, P, ...]
+            x = heads(x)
+            i = src.reshape(src.shape + (1,) * (x.ndim - 3))
+            got = jnp.take_along_axis(x, i, axis=2)
+            return jnp.where(ok.reshape(i.shape), got, jnp.asarray(fill, x.dtype))
+
+        slots = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, Kn, P))
         k = fmt.write(k, layer, slots, take(view.k), "k")
         v = fmt.write(v, layer, slots, take(view.v), "v")
-        held = jnp.take_along_axis(view.pos.reshape(B, N), idx, axis=-1)  # [B, P]
-        pos = pos.at[layer].set(jnp.where(ok, held, -1)[:, None])
-        owner = owner.at[layer].set((idx // C0).astype(owner.dtype)[:, None])
+        pos = pos.at[layer].set(take(view.pos, -1))
+        if pooled:
+            was = (jnp.broadcast_to(jnp.arange(K, dtype=owner.dtype)[None, :, None], mask.shape)
+                   if view.owner is None else view.owner)
+            owner = owner.at[layer].set(take(was))
+        st = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats0) if select
+              else jax.tree.map(take, view.stats))
         stats = jax.tree.map(lambda s, n: s.at[layer].set(n), stats, st)
         return (k, v, pos, owner, stats), None
 
-    init = (fmt.init((L, B, 1, P, E), "k"), fmt.init((L, B, 1, P, E), "v"),
-            jnp.full((L, B, 1, P), -1, jnp.int32), jnp.zeros((L, B, 1, P), owner_dtype(K)),
-            jax.tree.map(lambda s: jnp.zeros((L,) + s.shape, s.dtype), stats0))
+    st_shape = (stats0 if select else
+                jax.tree.map(lambda s: jax.ShapeDtypeStruct((B, Kn, P) + s.shape[3:], s.dtype),
+                             view0.stats))
+    init = (fmt.init((L, B, Kn, P, E), "k"), fmt.init((L, B, Kn, P, E), "v"),
+            jnp.full((L, B, Kn, P), -1, jnp.int32),
+            jnp.zeros((L, B, Kn, P), owner_dtype(K)) if pooled else jnp.zeros((L,), jnp.int8),
+            jax.tree.map(lambda s: jnp.zeros((L,) + s.shape, s.dtype), st_shape))
     (k, v, pos, owner, stats), _ = jax.lax.scan(body, init, jnp.arange(L, dtype=jnp.int32))
-    return HeadPool(k=k, v=v, pos=pos, stats=stats, length=cache.length,
-                    nonfinite=cache.nonfinite, owner=owner, fmt=fmt, policy=policy, n_heads=K)
+    common = {"k": k, "v": v, "pos": pos, "stats": stats, "length": cache.length,
+                  "nonfinite": cache.nonfinite, "fmt": fmt, "policy": new_policy}
+    if pooled:
+        return HeadPool(owner=owner, n_heads=K, **common)
+    return KVCache(**common)
 
 
 @struct.dataclass
@@ -423,6 +506,12 @@ class LayerGroups:
 
     def finish(self, n_valid) -> LayerGroups:
         return self.join(g.finish(n_valid) for g in self.groups)
+
+    def compress(self, extra: int = 0) -> LayerGroups:
+        return self.join(g.compress(extra) for g in self.groups)
+
+    def grow(self, extra: int) -> LayerGroups:
+        return self.join(g.grow(extra) for g in self.groups)
 
     def check_finite(self) -> None:
         check_nonfinite(self.nonfinite)

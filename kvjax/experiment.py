@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import closed_form_bytes, get_layout, init_cache
-from kvjax.generate import decode_step, prefill
-from kvjax.policies import POLICIES, compress_cache, get_policy
+from kvjax.cache import closed_form_bytes, get_layout
+from kvjax.generate import decode, start
+from kvjax.policies import POLICIES, get_policy
 from kvjax.results import (
     SCHEMA,
     WANDB_MODES,
@@ -42,7 +42,6 @@ from kvjax.results import (
     to_jsonable,
 )
 from kvjax.tasks import Task, TaskContext, TaskResult
-from kvjax.tasks.base import effective_chunk, is_prefill_only
 from kvjax.tasks.text import CharTokenizer, encode_prefix, load_text, sha256_text
 
 TINY = "tiny"
@@ -90,6 +89,7 @@ class RunSpec:
     kv_dtype: str = "f32"
     kv_options: tuple[tuple[str, Any], ...] = ()
     budget: int | None = None
+    ratio: float | None = None  # instead of budget: fraction of the prompt removed
     seed: int = 0
     max_len: int | None = None
     sweep: str | None = None
@@ -146,16 +146,42 @@ def build_format(name: str, options: dict):
 
 
 def build_policy(spec: RunSpec) -> tuple[Any, tuple[str, ...]]:
-    """The policy with the run's budget (full ignores budget: it keeps every token)."""
+    """The policy with the run's budget or ratio (full ignores both: it keeps every token).
+
+    `ratio` removes that fraction of the prompt: in compress mode the policy applies it to
+    each prompt (kept = int(n · (1 - ratio)), kvpress's compression_ratio); in evict mode it
+    becomes the budget int(L · (1 - ratio)) for the task's one prompt length L."""
     if spec.policy not in POLICIES:
         raise ConfigError(
             f"unknown policy {spec.policy!r}; valid choices: {', '.join(sorted(POLICIES))}"
         )
     options, notes = dict(spec.policy_options), []
     if spec.policy == BASELINE_POLICY:
+        for key in ("budget", "ratio"):
+            if getattr(spec, key) is not None:
+                notes.append(f"policy 'full' keeps every token: {key}={getattr(spec, key)} is "
+                             "ignored")
+        for key in ("budget", "ratio", "mode"):
+            options.pop(key, None)
+    elif spec.ratio is not None:
         if spec.budget is not None:
-            notes.append(f"policy 'full' keeps every token: budget={spec.budget} is ignored")
-        options.pop("budget", None)
+            raise ConfigError(f"give budget= or ratio=, not both (got budget={spec.budget}, "
+                              f"ratio={spec.ratio})")
+        if (isinstance(spec.ratio, bool) or not isinstance(spec.ratio, (int, float))
+                or not 0 <= spec.ratio < 1):
+            raise ConfigError(f"ratio={spec.ratio!r} must be in [0, 1) (the fraction of the "
+                              "prompt removed)")
+        if options.get("mode", "evict") == "compress" or POLICIES[spec.policy].modes == (
+                "compress",):
+            options["ratio"], options["budget"] = spec.ratio, None
+        else:
+            n = spec.task.ratio_length()
+            if n is None:
+                raise ConfigError(
+                    f"ratio={spec.ratio} with mode=evict needs one prompt length, and task "
+                    f"{spec.task.name!r} has several; give budget=, or policy.mode=compress")
+            options["budget"] = max(1, int(n * (1.0 - spec.ratio)))
+            notes.append(f"ratio={spec.ratio} of {n} tokens: budget={options['budget']}")
     elif spec.budget is not None:
         options["budget"] = spec.budget
     try:
@@ -179,7 +205,8 @@ def plan(spec: RunSpec) -> Plan:
             f"use max_len >= {need} or max_len=null"
         )
     max_len = spec.max_len or need
-    if policy.name != BASELINE_POLICY and policy.budget is not None and policy.budget > need:
+    if (policy.name != BASELINE_POLICY and policy.ratio is None and policy.budget is not None
+            and policy.budget > need):
         raise ConfigError(
             f"budget={policy.budget} is above the length of task {task.name!r} ({need} tokens): "
             f"policy {policy.name!r} would never evict anything; use budget < {need} "
@@ -190,11 +217,12 @@ def plan(spec: RunSpec) -> Plan:
         layout.validate(policy, fmt, max_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if is_prefill_only(policy) and not task.has_prompt:
+    if policy.mode == "compress" and not task.has_prompt:
         with_prompt = sorted(n for n, c in _task_classes().items() if c.has_prompt)
         raise ConfigError(
-            f"policy {policy.name!r} selects its cache once after a prompt (prefill-only), and "
-            f"task {task.name!r} has no prompt; use a task with one: {', '.join(with_prompt)}"
+            f"policy {policy.name!r} runs mode=compress (it selects its cache once after a "
+            f"prompt), and task {task.name!r} has no prompt; use a task with one "
+            f"({', '.join(with_prompt)}) or policy.mode=evict"
         )
     if spec.speed.prompt < 0 or spec.speed.new_tokens < 0:
         raise ConfigError(f"speed.prompt and speed.new_tokens must be >= 0, got {spec.speed}")
@@ -329,34 +357,28 @@ def nominal_bytes_per_value(fmt) -> float | None:
 
 
 def measure_speed(ctx: TaskContext, prompt: list[int], new_tokens: int):
-    """Prefill seconds and decode tokens/s, each after a first (compiling) call.
-
-    Returns (timings, the batch-1 cache after prefill + decode)."""
-    chunk = effective_chunk(len(prompt), ctx.policy, ctx.max_len, len(prompt))
+    """Prefill seconds (the whole prompt in one forward, plus the compress-mode selection) and
+    decode tokens/s, each after a first (compiling) call, through `kvjax.generate.start` and
+    `decode`. Returns (timings, the batch-1 cache after prefill + decode)."""
 
     def run_prefill():
-        cache = init_cache(ctx.cfg, 1, ctx.policy, ctx.fmt, ctx.max_len, ctx.layout)
         t = time.perf_counter()
-        logits, cache = prefill(ctx.params, [prompt], cache, ctx.cfg, chunk)
-        cache = compress_cache(cache)
+        logits, cache = start(ctx.params, ctx.cfg, [prompt], ctx.policy, ctx.fmt,
+                              max_len=ctx.max_len, extra=new_tokens + 1, layout=ctx.layout)
         jax.block_until_ready((logits, cache))
         return time.perf_counter() - t, logits, cache
 
     first, _, _ = run_prefill()
     prefill_s, logits, cache = run_prefill()
-    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     t = time.perf_counter()
-    logits, cache = decode_step(ctx.params, tok, cache, ctx.cfg)
-    jax.block_until_ready(logits)
+    _, cache = decode(ctx.params, ctx.cfg, logits, cache, 1)
     decode_first = time.perf_counter() - t
+    logits = jnp.zeros_like(logits)  # greedy from token 0 on: the time, not the text, matters
     t = time.perf_counter()
-    for _ in range(new_tokens):
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logits, cache = decode_step(ctx.params, tok, cache, ctx.cfg)
-    jax.block_until_ready(logits)
+    _, cache = decode(ctx.params, ctx.cfg, logits, cache, new_tokens)
     decode_s = time.perf_counter() - t
     return {
-        "prefill_s": prefill_s, "prefill_tokens": len(prompt), "prefill_chunk": chunk,
+        "prefill_s": prefill_s, "prefill_tokens": len(prompt), "prefill_chunk": len(prompt),
         "prefill_compile_s": max(0.0, first - prefill_s),
         "decode_tok_s": new_tokens / decode_s if decode_s > 0 else None,
         "decode_tokens": new_tokens,

@@ -296,6 +296,11 @@ class KVFormat:
         state sized per head in slots (a key residual) grows n_heads-fold; else itself."""
         return self
 
+    def fit(self, capacity: int) -> int:
+        """The smallest capacity >= `capacity` this format can store (a cache sized at run time,
+        e.g. after a compress-mode selection)."""
+        return capacity
+
 
 @dataclasses.dataclass(frozen=True)
 class _FloatFormat(KVFormat):
@@ -455,6 +460,12 @@ class _IntFormat(KVFormat):
         if self.key_mode != "channel":
             return self
         return dataclasses.replace(self, residual=n_heads * self.n_open * self.group)
+
+    def fit(self, capacity: int) -> int:
+        """Per-channel keys run in slot groups and keep a residual: whole groups, >= residual."""
+        if self.key_mode != "channel":
+            return capacity
+        return max(-(-capacity // self.group) * self.group, self.n_open * self.group)
 
     def group_of(self, kind: str) -> int:
         """The per-token group size of keys or values."""
@@ -730,6 +741,9 @@ class Mixed(KVFormat):
 
     def shared_by(self, n_heads: int) -> KVFormat:
         return dataclasses.replace(self, base=self.base.shared_by(n_heads))
+
+    def fit(self, capacity: int) -> int:
+        return self.base.fit(capacity)
 
     def layout(self, L: int, K: int):
         """(kept layers, quantized layers, kept heads, quantized heads) for L layers, K heads."""

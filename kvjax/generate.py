@@ -1,4 +1,5 @@
-"""Prefill, a jitted decode step with the cache donated, sampling, and the generation loop."""
+"""Prefill, a jitted decode step with the cache donated, sampling, and the one generation loop
+(`start` -> `decode`) that `generate`, the tasks and the speed probe share."""
 
 from __future__ import annotations
 
@@ -44,13 +45,18 @@ def check_fits(prompt_lens: Sequence[int], max_new_tokens: int, max_len: int) ->
 
 def prefill(params, prompts: Sequence[Sequence[int]], cache: KVCache, cfg: ModelConfig,
             chunk: int | None = None):
-    """Feed prompts of different lengths (right-padded) in chunks; returns last logits [B, V].
+    """Feed prompts of different lengths (right-padded) in chunks of `chunk` tokens; returns
+    the last logits [B, V] and the new cache. `cache` is donated (use `kvjax.cache.copy` to
+    keep it).
 
-    The chunk size defaults to what the policy can place in one update (the whole prompt for
-    `full`), and every chunk has the same shape so the step compiles once.
+    chunk=None feeds each prompt in one forward: every policy sees the whole prompt's attention
+    before it evicts (docs/policies.md); a smaller chunk evicts at every chunk boundary. Every
+    chunk has the same shape, so the step compiles once.
     """
     lens = np.array([len(p) for p in prompts], np.int32)
-    chunk = chunk or min(int(lens.max()), cache.policy.max_chunk(cache.capacity))
+    chunk = int(lens.max()) if chunk is None else int(chunk)
+    if chunk < 1:
+        raise ValueError(f"prefill: chunk={chunk} must be >= 1 (or None: the whole prompt)")
     n_chunks = -(-int(lens.max()) // chunk)
     toks = np.zeros((len(prompts), n_chunks * chunk), np.int32)
     for i, p in enumerate(prompts):
@@ -64,6 +70,38 @@ def prefill(params, prompts: Sequence[Sequence[int]], cache: KVCache, cfg: Model
         ends_here = jnp.asarray((lens - 1 >= start) & (lens - 1 < start + chunk))[:, None]
         last = lg if last is None else jnp.where(ends_here, lg, last)
     return last, cache
+
+
+def start(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], policy, fmt, *,
+          max_len: int | None = None, extra: int = 0, chunk: int | None = None, layout=None):
+    """The one way a prompt enters a cache: init -> prefill -> (compress mode) the policy's
+    selection, with room for `extra` more tokens per row. Returns (last logits [B, V], cache).
+
+    Evict mode: a cache of `budget` slots from the start, evicting at every chunk. Compress
+    mode: the prompt is read into a cache with room for all of it, then `cache.compress(extra)`
+    keeps the selected slots and the cache grows by the tokens that follow (kvpress)."""
+    max_len = cfg.max_seq_len if max_len is None else max_len
+    cache = init_cache(cfg, len(prompts), policy, fmt, max_len, layout)
+    logits, cache = prefill(params, prompts, cache, cfg, chunk)
+    if policy.mode == "compress":
+        cache = cache.compress(extra)
+    return logits, cache
+
+
+def decode(params, cfg: ModelConfig, logits, cache, n: int, *, temperature: float = 0.0,
+           top_p: float = 1.0, seed: int = 0):
+    """Sample n tokens per row from `logits` [B, V] on, feeding each back (`cache` donated).
+    Returns (tokens [B, n] numpy, cache); the cache is checked for NaN/inf."""
+    key = jax.random.PRNGKey(seed)
+    out = []
+    for _ in range(n):
+        key, sub = jax.random.split(key)
+        tok = sample(logits, sub, temperature, top_p)
+        out.append(tok)
+        logits, cache = decode_step(params, tok, cache, cfg)
+    cache.check_finite()
+    tokens = np.asarray(jnp.stack(out, axis=1)) if out else np.zeros((len(logits), 0), np.int32)
+    return tokens, cache
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
@@ -84,21 +122,15 @@ def sample(logits, key, temperature: float = 0.0, top_p: float = 1.0):
 
 def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              policy, fmt, *, max_len: int | None = None, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, prefill_chunk_size: int | None = None,
-             layout=None):
-    """Generate `max_new_tokens` per prompt. Returns (tokens [B, N] numpy, final cache).
+             top_p: float = 1.0, seed: int = 0, chunk: int | None = None, layout=None):
+    """Generate `max_new_tokens` per prompt under `policy` and `fmt` (`start` then `decode`).
+    Returns (tokens [B, N] numpy, final cache).
 
-    layout: a cache layout (`kvjax.cache.get_layout(...)`) or its name; default dense."""
+    chunk: prefill chunk size (None: the whole prompt at once); layout: a cache layout
+    (`kvjax.cache.get_layout(...)`) or its name, default dense."""
     max_len = cfg.max_seq_len if max_len is None else max_len
     check_fits([len(p) for p in prompts], max_new_tokens, max_len)
-    cache = init_cache(cfg, len(prompts), policy, fmt, max_len, layout)
-    logits, cache = prefill(params, prompts, cache, cfg, prefill_chunk_size)
-    key = jax.random.PRNGKey(seed)
-    out = []
-    for _ in range(max_new_tokens):
-        key, sub = jax.random.split(key)
-        tok = sample(logits, sub, temperature, top_p)
-        out.append(tok)
-        logits, cache = decode_step(params, tok, cache, cfg)
-    cache.check_finite()
-    return np.asarray(jnp.stack(out, axis=1)), cache
+    logits, cache = start(params, cfg, prompts, policy, fmt, max_len=max_len,
+                          extra=max_new_tokens, chunk=chunk, layout=layout)
+    return decode(params, cfg, logits, cache, max_new_tokens, temperature=temperature,
+                  top_p=top_p, seed=seed)

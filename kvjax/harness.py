@@ -63,6 +63,7 @@ class RunConf:
     kv_dtype: str = "f32"
     kv_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     budget: int | None = None
+    ratio: float | None = None
     seed: int = 0
     max_len: int | None = None
     sweep: str | None = None
@@ -134,7 +135,7 @@ def spec_from_config(cfg: DictConfig) -> RunSpec:
         policy_options=tuple(sorted(policy_opts.items())),
         kv_dtype=c["kv_dtype"],
         kv_options=tuple(sorted(c["kv_options"].items())),
-        budget=c["budget"], seed=c["seed"], max_len=c["max_len"], sweep=c["sweep"],
+        budget=c["budget"], ratio=c["ratio"], seed=c["seed"], max_len=c["max_len"], sweep=c["sweep"],
         speed=SpeedSpec(**c["speed"]), cache=tuple(c["cache"].items()), results=_abs(c["results"]),
         baselines=_abs(c["baselines"]), wandb=WandbSpec(**c["wandb"]), force=c["force"],
         progress=c["progress"], config=c,

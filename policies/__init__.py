@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from kvjax.policies.base import POLICIES, LayerView, Policy, compress_cache, register
+from kvjax.policies.base import MODES, POLICIES, Policy, register
 from kvjax.registry import lookup
 
 for _m in pkgutil.iter_modules(__path__):
@@ -18,4 +18,4 @@ def get_policy(name: str, **options) -> Policy:
     return lookup("policy", "policies", POLICIES, name, options)(**options)
 
 
-__all__ = ["POLICIES", "LayerView", "Policy", "compress_cache", "get_policy", "register"]
+__all__ = ["MODES", "POLICIES", "Policy", "get_policy", "register"]

@@ -9,12 +9,17 @@ bytes are those of `budget` slots per head.
 
 At decode time the pool evicts jointly: the cached entries and the chunk's new (head, token)
 entries compete, and the K · T lowest-scored go (ties to the oldest position). Scores:
-`score="acc"` is H2O's accumulated attention (summed over the kv group's query heads; a head's
-softmax rows sum to its G query heads, so scores compare across heads); `score="current"` is
+`score_by="acc"` is H2O's accumulated attention (summed over the kv group's query heads; a head's
+softmax rows sum to its G query heads, so scores compare across heads); `score_by="current"` is
 the current query's attention (TOVA per head). Each head's `n_sink` first and `window` most
 recent tokens are protected, and so are its own best int(floor · (budget - window - n_sink))
 candidates, cached or new (Ada-KV's safeguard, alpha = 0.2): no head's share drops below that.
 floor=1 guards each head's whole share, which is the per-head policy with the same scores.
+
+Compress mode (Ada-KV's own setting, with these scores): the prompt is read into a per-head
+cache of the full length while each slot's score is recorded per head (`score`), then the
+K · kept(n) best (head, token) entries of each layer, after every head's sinks, window and
+floor, form the pool.
 """
 
 from __future__ import annotations
@@ -24,16 +29,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import pool_entries
 from kvjax.policies.base import (
+    SCORE,
     Evicting,
     check_choice,
     check_share,
     evict,
-    pool_entries,
+    keep_best_pool,
     protect,
     register,
     scatter_slots,
 )
+from kvjax.policies.tova import last_query
 
 SCORES = ("acc", "current")
 
@@ -45,12 +53,12 @@ class AdaKV(Evicting):
     head_pool = True
     budget: int | None = 256  # mean slots per kv head: the pool holds K · budget per layer
     window: int = 32  # per head
-    score: str = "acc"
+    score_by: str = "acc"  # what ranks entries: "acc" (H2O) or "current" (TOVA per head)
     floor: float = 0.2  # share of each head's heavy budget kept by its own ranking
 
     def __post_init__(self):
         super().__post_init__()
-        check_choice(self, "score", self.score, SCORES)
+        check_choice(self, "score_by", self.score_by, SCORES)
         check_share(self, "floor", self.floor)
 
     def floor_slots(self) -> int:
@@ -59,12 +67,28 @@ class AdaKV(Evicting):
         return int(self.floor * max(0, heavy))
 
     def init_stats(self, B, K, C):
-        return {"acc": jnp.zeros((B, K, C), jnp.float32)} if self.score == "acc" else {}
+        return {"acc": jnp.zeros((B, K, C), jnp.float32)} if self.score_by == "acc" else {}
 
-    def update(self, view, k_new, v_new, pos_new, probs):
+    def score(self, view, k_new, pos_new, probs):
+        """Per kv head (compress mode reads the prompt into a per-head cache)."""
+        C = view.pos.shape[-1]
+        if self.score_by == "acc":
+            acc = view.stats["acc"] + jnp.sum(probs[..., :C], axis=2)  # [B, K, C]
+            acc_new = jnp.sum(probs[..., C:], axis=2)  # [B, K, T]
+            return acc, acc_new, {"acc": (acc, acc_new)}
+        row = last_query(probs, pos_new)  # [B, K, C + T]
+        return row[..., :C], row[..., C:], {}
+
+    def select(self, view, n_keep):
+        protected, _ = self.protected(view)
+        floor = (self.floor * jnp.maximum(n_keep - self.window - self.n_sink, 0)).astype(jnp.int32)
+        return keep_best_pool(view.pos, view.stats[SCORE], protected, n_keep,
+                              floor if self.floor > 0 else None)
+
+    def place(self, view, k_new, v_new, pos_new, probs):
         B, _, P = view.pos.shape  # the pool: [B, 1, P]
         K, T = probs.shape[1], probs.shape[2]  # probs [B, K, T, P + T], 0 off a head's slots
-        if self.score == "acc":
+        if self.score_by == "acc":
             cached = view.stats["acc"] + jnp.sum(probs[..., :P], axis=(1, 2))[:, None]  # [B,1,P]
             new = jnp.sum(probs[..., P:], axis=2)  # [B, K, T]
         else:
@@ -83,7 +107,7 @@ class AdaKV(Evicting):
                             self.floor_slots())  # [B, 1, P + K·T]
             protected, protected_new = protected | best[..., :P], protected_new | best[..., P:]
         slots = evict(view, pos_flat, cached, new, protected, protected_new)  # [B, 1, K·T]
-        stats = {"acc": scatter_slots(cached, slots, new)} if self.score == "acc" else {}
+        stats = {"acc": scatter_slots(cached, slots, new)} if self.score_by == "acc" else {}
         return slots.reshape(B, K, T), stats
 
 

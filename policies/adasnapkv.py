@@ -19,57 +19,27 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import check_share, pool_entries, register
-from kvjax.policies.snapkv import SnapKV, slide_unpinned
+from kvjax.policies.base import check_share, keep_best_pool, register
+from kvjax.policies.snapkv import SnapKV
 
 
 @register
 @dataclasses.dataclass(frozen=True)
 class AdaSnapKV(SnapKV):
     name = "adasnapkv"
-    head_pool = True  # after compress
+    head_pool = True  # the selection is a pool
     floor: float = 0.2  # share of each head's prefix budget it keeps whatever the others score
 
     def __post_init__(self):
         super().__post_init__()
         check_share(self, "floor", self.floor)
 
-    def compress(self, cache):
-        """Prefill cache (capacity max length, per head) -> a pool of K · budget slots."""
-        from kvjax.cache import pool_from  # kvjax.cache imports the policies package
-
-        if "obs" not in cache.stats:
-            return cache
-        return pool_from(cache, self, cache.capacity if self.budget is None else self.budget)
-
-    def select_pool(self, view):
-        """One layer: (kept entries [B, P] of the flattened (head, slot) axis, K·C0 = empty;
-        decode stats), P = K · budget."""
-        B, K, C0 = view.pos.shape
-        N = K * C0
-        P = K * (C0 if self.budget is None else self.budget)
+    def select(self, view, n_keep):
+        """Every head's window and own best floor · (kept - window) prefix entries, then the
+        best prefix entries of the layer: at most K · n_keep [B] per row, [B, K, C0] bool."""
         prefix, recent, score = self.prompt_scores(view)
-        key = jnp.where(prefix, -score, jnp.inf)  # [B, K, C0] lower = keep
-        floor = int(self.floor * (P // K - self.window))
-        if floor > 0:  # each head's own best `floor` prefix entries are kept first
-            own = prefix & (self.prefix_rank(view, prefix, score) < floor)
-            key = jnp.where(own, -jnp.inf, key)
-        key = jnp.where(recent, -jnp.inf, key)
-        idx = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
-        skey, _, order = jax.lax.sort((key.reshape(B, N), -view.pos.reshape(B, N), idx),
-                                      dimension=-1, num_keys=3)
-        ok = skey[:, :P] < jnp.inf  # [B, P]: the windows, then the best prefix entries
-        keep = jnp.where(ok, order[:, :P], N)
-        pinned = jnp.take_along_axis(prefix.reshape(B, N), order[:, :P], axis=-1) & ok
-        return keep, {"pinned": pinned[:, None]}
-
-    def update(self, view, k_new, v_new, pos_new, probs):
-        if "obs" in view.stats:
-            return self._observe(view, pos_new, probs)
-        B = view.pos.shape[0]  # the pool: [B, 1, P]
-        K, T = probs.shape[1], probs.shape[2]
-        slots, stats = slide_unpinned(view, pool_entries(pos_new, K)[0])  # [B, 1, K·T]
-        return slots.reshape(B, K, T), stats
+        floor = (self.floor * jnp.maximum(n_keep - self.window, 0)).astype(jnp.int32)
+        return keep_best_pool(view.pos, jnp.where(prefix, score, -jnp.inf), recent, n_keep,
+                              floor if self.floor > 0 else None)

@@ -1,30 +1,40 @@
-"""The policy protocol and the shared eviction mechanism.
+"""The policy protocol: two modes, one template, and the shared eviction and selection rules.
 
-A policy is a frozen, hashable dataclass of hyperparameters (a static jit argument) with pure
-functions. Per layer, the model calls `update(view, k_new, v_new, pos_new, probs)`; the policy
-answers which slot each new token goes to (capacity C means "not stored") and the layer's new
-stats. The cache does the writing, so a decode step touches only the written slots.
+A policy is a frozen, hashable dataclass of hyperparameters (a static jit argument). It only
+scores and chooses; the cache (`kvjax.cache`) builds, writes, compacts and grows caches.
 
-Eviction never branches on data: scores are masked (empty slots first, protected slots never)
-and the victims come from `argmax`/`top_k` (or a sort for chunks), so shapes are fixed and
-decode never recompiles.
+Two protocols, one switch (`mode`):
 
-Score policies build on `Evicting` and `evict`: the chunk's own tokens compete with the cached
-slots, the lowest (score, position) lose, and ties go to the oldest position. A policy may also
-define `compress(cache) -> cache`, run once after prefill (SnapKV); `compress_cache` is the hook.
+* `evict` (streaming): the cache has `budget` slots from the start and every chunk, prefill
+  and decode, may evict. Per layer the model calls `update`, which runs `place`: for a score
+  policy (`Evicting`) the template protect -> `score` -> `evict` -> stats.
+* `compress` (kvpress's protocol): the prompt is prefilled into a cache with room for all of
+  it while `update` runs `observe` (slot = position, and the policy's scores are recorded);
+  `cache.compress(extra)` then asks `select` (per head) which `kept(n)` slots of each head stay,
+  builds a cache of that size plus `extra` slots, and the cache grows during decode and scoring
+  (`Grown`: new tokens fill empty slots, nothing is evicted). `ratio` (kvpress's
+  `compression_ratio`) keeps int(n · (1 - ratio)) of an n-token prompt instead of `budget`.
+
+A score policy is `score` (+ `init_stats` when it keeps state): the base class evicts and
+selects (kvpress's `ScorerPress`). Eviction never branches on data: scores are masked (empty
+slots first, protected slots never) and victims come from reductions or one sort, so shapes are
+fixed and decode never recompiles. Ties always go to the oldest position.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import LayerView, pool_entries
+
 POLICIES: dict[str, type[Policy]] = {}
+MODES = ("evict", "compress")
+SCORE = "score"  # the stats entry holding each slot's score while a prompt is observed
 
 NEVER = jnp.inf  # score of a protected slot: never a victim
 FIRST = -jnp.inf  # score of an empty slot: filled before anything is evicted
@@ -37,46 +47,71 @@ def register(cls):
     return cls
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LayerView:
-    """What a policy sees of one layer's cache (before this chunk is written)."""
-
-    k: jax.Array  # [B, K, C, E] dequantized keys
-    v: jax.Array  # [B, K, C, E] dequantized values
-    pos: jax.Array  # [B, K, C] position held by each slot, -1 = empty
-    stats: Any  # this policy's per-layer stats pytree, leaves [B, K, C, ...]
-    length: jax.Array  # [B] tokens seen before this chunk
-    owner: Any = None  # head pool only ([B, 1, P] kv head of each pool slot); else None
-
-
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Base policy: hyperparameters plus `init_stats` and `update`.
+    """Base policy: hyperparameters, the mode switch, and the protocol the cache calls.
 
-    `budget` is the cache capacity C in slots (None: the whole max length, no eviction).
-    `min_budget` is what the policy's protected slots need; smaller budgets are rejected.
+    `budget` is the cache capacity C in slots in `evict` mode and the slots kept per kv head
+    after the prompt in `compress` mode (None: the whole max length, nothing evicted). `ratio`
+    (compress only) keeps int(n · (1 - ratio)) of an n-token prompt instead. `min_budget` is
+    what the policy's protected slots need; smaller budgets are rejected.
     """
 
     name: ClassVar[str] = "base"
-    prefill_only: ClassVar[bool] = False  # selects its cache once after a prompt (needs one)
     head_pool: ClassVar[bool] = False  # kv heads share one slot pool per layer (HeadPool)
-    compress = None  # optional `compress(cache) -> cache`, run once after prefill
+    modes: ClassVar[tuple[str, ...]] = MODES  # the protocols this policy runs
+    mode_note: ClassVar[str] = ""  # why a mode is missing, for the error
     budget: int | None = None
+    mode: str = "evict"
+    ratio: float | None = None
+
+    # ---- sizes and checks
 
     def capacity(self, max_len: int) -> int:
-        return max_len if self.budget is None else self.budget
+        """Slots per kv head of a fresh cache (compress: the whole prompt fits)."""
+        if self.mode == "compress" or self.budget is None:
+            return max_len
+        return self.budget
+
+    def kept(self, n: int) -> int:
+        """Compress mode: slots per kv head kept after an n-token prompt."""
+        if self.ratio is not None:
+            k = int(n * (1.0 - self.ratio))
+        else:
+            k = n if self.budget is None else self.budget
+        return max(0, min(n, max(k, self.min_budget())))
 
     def min_budget(self) -> int:
         return 1
 
+    def protected_desc(self) -> str:
+        """How `min_budget` comes about, for error messages."""
+        return "at least one slot"
+
     def validate(self, max_len: int) -> None:
-        """Raise a clear error for budgets that cannot work, before any model work."""
+        """Raise a clear error for settings that cannot work, before any model work."""
+        if self.mode not in MODES:
+            raise ValueError(f"policy {self.name!r}: mode={self.mode!r} is not one of {MODES}")
+        if self.mode not in self.modes:
+            note = f" ({self.mode_note})" if self.mode_note else ""
+            raise ValueError(f"policy {self.name!r} cannot run mode={self.mode!r}{note}; "
+                             f"its modes: {', '.join(self.modes)}")
+        if self.ratio is not None:
+            if self.mode != "compress":
+                raise ValueError(
+                    f"policy {self.name!r}: ratio={self.ratio!r} needs mode='compress' (a ratio "
+                    "of the prompt); in mode='evict' give budget= (the harness turns ratio= "
+                    "into a budget from the task's length)")
+            if (isinstance(self.ratio, bool) or not isinstance(self.ratio, numbers.Real)
+                    or not 0 <= self.ratio < 1):
+                raise ValueError(f"policy {self.name!r}: ratio must be in [0, 1) (the fraction "
+                                 f"of the prompt removed), got {self.ratio!r}")
         if self.budget is None:
             return
         lo = self.min_budget()
         valid = f"valid range: {lo} <= budget <= {max_len}"
-        if not isinstance(self.budget, numbers.Integral) or self.budget <= 0:
+        if (isinstance(self.budget, bool) or not isinstance(self.budget, numbers.Integral)
+                or self.budget <= 0):
             raise ValueError(
                 f"policy {self.name!r}: budget must be a positive integer, got {self.budget!r} "
                 f"({valid})"
@@ -92,20 +127,26 @@ class Policy:
                 f"{max_len} ({valid})"
             )
 
-    def protected_desc(self) -> str:
-        """How `min_budget` comes about, for error messages."""
-        return "at least one slot"
-
-    def max_chunk(self, max_len: int) -> int:
-        """Largest chunk one `update` can place (new tokens must fit beside protected slots)."""
-        return max(1, self.capacity(max_len) - self.min_budget() + 1)
-
     def layer_groups(self, n_layers: int, max_len: int) -> tuple[tuple[int, int, Policy], ...]:
         """Consecutive layer ranges (lo, hi) and the policy each runs; one group by default.
 
         Several groups give layers different budgets with real memory: the cache holds one
         stacked cache per group, each of its own capacity (`kvjax.cache.LayerGroups`)."""
         return ((0, n_layers, self),)
+
+    # ---- what the cache calls
+
+    def cache_stats(self, B: int, K: int, C: int) -> Any:
+        """The stats pytree of a fresh cache (leaves [B, K, C, ...]) in this policy's mode."""
+        return self.observe_stats(B, K, C) if self.mode == "compress" else self.init_stats(B, K, C)
+
+    def init_stats(self, B: int, K: int, C: int) -> Any:
+        """The state a policy keeps per slot while it runs (e.g. H2O's accumulated attention)."""
+        return {}
+
+    def observe_stats(self, B: int, K: int, C: int) -> Any:
+        """Compress mode, while the prompt is read: the running state and each slot's score."""
+        return {**self.init_stats(B, K, C), SCORE: jnp.zeros((B, K, C), jnp.float32)}
 
     def rope_positions(self, view: LayerView, pos_new):
         """Positions RoPE uses: (chunk [B, T], cached keys [B, K, C] or None).
@@ -115,12 +156,66 @@ class Policy:
         the capacity C, when read (StreamingLLM's positions-within-the-cache)."""
         return pos_new, None
 
-    def init_stats(self, B: int, K: int, C: int) -> Any:
-        return {}
-
     def update(self, view: LayerView, k_new, v_new, pos_new, probs):
-        """Return (slots [B, K, T] int32, new stats). Override in each policy."""
-        raise NotImplementedError
+        """Where a chunk goes: (slots [B, K, T] int32, slot C = not stored; new layer stats).
+
+        view: the layer before the chunk; k_new, v_new [B, T, K, E] (keys as stored);
+        pos_new [B, T] (-1 = padding); probs [B, K, T, C + T] this chunk's attention summed
+        over each kv group's query heads, cached slots first."""
+        if self.mode == "compress":
+            return self.observe(view, k_new, pos_new, probs)
+        return self.place(view, k_new, v_new, pos_new, probs)
+
+    def place(self, view: LayerView, k_new, v_new, pos_new, probs):
+        """Evict mode: (slots, stats) for a chunk in a cache of `budget` slots."""
+        raise NotImplementedError(f"policy {self.name!r} has no evict-mode placement")
+
+    def score(self, view: LayerView, k_new, pos_new, probs):
+        """Higher = keep: (cached slots [B, K, C], chunk tokens [B, K, T], tracked) where
+        tracked maps each stats entry to its (cached, new) values, scattered with the chunk."""
+        raise NotImplementedError(f"policy {self.name!r} does not score tokens")
+
+    def protected(self, view: LayerView, pos_new=None):
+        """(cached slots [B, K, C], chunk tokens [B, K, T] or None) that must stay."""
+        return protect(view, pos_new, 0, 0)
+
+    def observe(self, view: LayerView, k_new, pos_new, probs):
+        """Compress mode, the prompt: slot = position (nothing evicted); scores recorded."""
+        cached, new, tracked = self.score(view, k_new, pos_new, probs)
+        slots = at_positions(view, pos_new)
+        return slots, scatter_tracked({**tracked, SCORE: (cached, new)}, slots)
+
+    def select(self, view: LayerView, n_keep):
+        """Compress mode: which slots stay, [B, K, C] bool, at most n_keep [B] per kv head
+        (head_pool policies: at most K · n_keep per row over all heads). Default: the
+        protected slots, then the best recorded scores (ties keep the later position)."""
+        protected, _ = self.protected(view)
+        return keep_best(view.pos, view.stats[SCORE], protected, n_keep)
+
+    def grown(self) -> Policy:
+        """The policy of a compressed cache: it grows, new tokens fill empty slots."""
+        return Grown(inner=self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grown(Policy):
+    """A compressed cache while it grows (kvpress): every new token gets an empty slot (the
+    cache was built with room for them); if none is left the oldest token goes. RoPE positions
+    stay the selecting policy's."""
+
+    name: ClassVar[str] = "grown"
+    inner: Policy | None = None
+
+    def rope_positions(self, view, pos_new):
+        return self.inner.rope_positions(view, pos_new)
+
+    def update(self, view, k_new, v_new, pos_new, probs):
+        B, K, T = probs.shape[:3]
+        entries = pos_new if view.owner is None else pool_entries(pos_new, K)[0]
+        return fill(view, entries).reshape(B, K, T), view.stats
+
+    def grown(self) -> Policy:
+        return self
 
 
 def broadcast_new(pos_new, K: int):
@@ -128,44 +223,30 @@ def broadcast_new(pos_new, K: int):
     return jnp.broadcast_to(pos_new[:, None, :], (pos_new.shape[0], K, pos_new.shape[1]))
 
 
-def pool_entries(pos_new, K: int, dtype=jnp.int32):
-    """A chunk as a head pool (`kvjax.cache.HeadPool`) takes it: every kv head's copy of each
-    token, head-major. Returns (positions [B, K·T], the kv head of each entry [K·T])."""
-    T = pos_new.shape[-1]
-    return jnp.tile(pos_new, (1, K)), jnp.repeat(jnp.arange(K, dtype=dtype), T)
-
-
 def drop_invalid(slots, pos_new, C: int):
     """Padding tokens (position -1) are never stored: slot C is dropped by the scatter."""
     return jnp.where(broadcast_new(pos_new, slots.shape[1]) >= 0, slots, C).astype(jnp.int32)
 
 
-def lowest_slots(score, T: int):
-    """The T lowest-score slots per (row, head): [B, K, C] -> [B, K, T], lowest first.
-
-    Ties go to the lowest slot index (argmax/top_k return the first maximum)."""
-    if T == 1:
-        return jnp.argmax(-score, axis=-1)[..., None].astype(jnp.int32)
-    return jax.lax.top_k(-score, T)[1].astype(jnp.int32)
-
-
-def evict_by_score(view: LayerView, score, protected, pos_new):
-    """Slots for the chunk: empty slots first, then the lowest `score` among unprotected ones.
-
-    score: [B, K, C] higher = keep; protected: [B, K, C] bool.
-    """
+def at_positions(view: LayerView, pos_new):
+    """Slot = position ([B, K, T]); positions past the capacity are not stored."""
     C = view.pos.shape[-1]
-    T = pos_new.shape[-1]
-    s = jnp.where(protected, NEVER, score)
-    s = jnp.where(view.pos < 0, FIRST, s)
-    return drop_invalid(lowest_slots(s, T), pos_new, C)
+    ok = (pos_new >= 0) & (pos_new < C)
+    return broadcast_new(jnp.where(ok, pos_new, C), view.pos.shape[1]).astype(jnp.int32)
 
 
-def recent(view: LayerView, pos_new, window: int):
-    """Slots holding one of the `window` most recent tokens once this chunk is in: [B, K, C]."""
-    newest = jnp.max(pos_new, axis=-1)  # [B] (-1 when the whole row is padding)
-    last = jnp.maximum(newest, view.length - 1)[:, None, None]  # [B, 1, 1]
-    return (view.pos >= 0) & (view.pos > last - window)
+def fill(view: LayerView, pos_new):
+    """Empty slots first, then the oldest token: slots [B, K', N] for entries pos_new [B, N]
+    arriving in each of the view's K' heads (nothing protected, equal scores)."""
+    zeros = jnp.zeros(view.pos.shape, jnp.float32)
+    none = jnp.zeros(broadcast_new(pos_new, view.pos.shape[1]).shape, bool)
+    return evict(view, pos_new, zeros, none.astype(jnp.float32), zeros.astype(bool), none)
+
+
+def equal_scores(view: LayerView, pos_new):
+    """`score` of a policy that only protects: all candidates equal, so the oldest goes."""
+    B, K, _ = view.pos.shape
+    return jnp.zeros(view.pos.shape), jnp.zeros((B, K, pos_new.shape[-1])), {}
 
 
 def scatter_slots(stat, slots, values):
@@ -174,6 +255,11 @@ def scatter_slots(stat, slots, values):
     b = jnp.arange(B)[:, None, None]
     h = jnp.arange(K)[None, :, None]
     return stat.at[b, h, slots].set(values.astype(stat.dtype), mode="drop")
+
+
+def scatter_tracked(tracked: dict, slots) -> dict:
+    """{name: (cached [B, K, C], new [B, K, T])} -> {name: cached with the chunk's values}."""
+    return {n: scatter_slots(c, slots, new) for n, (c, new) in tracked.items()}
 
 
 def check_counts(policy, **values) -> None:
@@ -197,8 +283,9 @@ def check_choice(policy, key: str, value, choices) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Evicting(Policy):
-    """A score-based eviction policy: `n_sink` first tokens and a recent `window` (counting the
-    chunk being placed) are protected; any chunk size works because chunk tokens compete too."""
+    """A score policy: `n_sink` first tokens and a recent `window` (counting the chunk being
+    placed) are protected; any chunk size works because chunk tokens compete too. A subclass
+    defines `score` (and `init_stats` for the state it tracks); `place` is the template."""
 
     n_sink: int = 0
     window: int = 0
@@ -212,25 +299,31 @@ class Evicting(Policy):
     def protected_desc(self) -> str:
         return f"n_sink={self.n_sink} + window={self.window}"
 
-    def max_chunk(self, max_len: int) -> int:
-        return max_len
-
-    def protected(self, view: LayerView, pos_new):
-        """(cached slots [B, K, C], chunk tokens [B, K, T]) that must not be evicted."""
+    def protected(self, view: LayerView, pos_new=None):
         return protect(view, pos_new, self.n_sink, self.window)
+
+    def place(self, view, k_new, v_new, pos_new, probs):
+        """protect -> score -> evict -> stats."""
+        cached, new, tracked = self.score(view, k_new, pos_new, probs)
+        protected, protected_new = self.protected(view, pos_new)
+        slots = evict(view, pos_new, cached, new, protected, protected_new)
+        return slots, scatter_tracked(tracked, slots)
 
 
 def protect(view: LayerView, pos_new, n_sink: int, window: int):
     """Sinks (position < n_sink) and the `window` most recent tokens once the chunk is in.
 
-    Returns (cached slots [B, K, C], chunk tokens [B, K, T]) as bool masks."""
-    newest = jnp.max(pos_new, axis=-1)  # [B]
-    last = jnp.maximum(newest, view.length - 1)[:, None, None]  # [B, 1, 1]
+    Returns (cached slots [B, K, C], chunk tokens [B, K, T] or None without a chunk)."""
+    last = view.length - 1  # [B]
+    if pos_new is not None:
+        last = jnp.maximum(jnp.max(pos_new, axis=-1), last)
+    last = last[:, None, None]  # [B, 1, 1]
 
     def rule(p):
         return (p >= 0) & ((p < n_sink) | (p > last - window))
 
-    return rule(view.pos), rule(broadcast_new(pos_new, view.pos.shape[1]))
+    new = None if pos_new is None else rule(broadcast_new(pos_new, view.pos.shape[1]))
+    return rule(view.pos), new
 
 
 def evict(view: LayerView, pos_new, score, score_new, protected, protected_new):
@@ -267,43 +360,32 @@ def evict(view: LayerView, pos_new, score, score_new, protected, protected_new):
     return drop_invalid(slots, pos_new, C)
 
 
-def compress_cache(cache):
-    """The after-prefill hook: `cache.policy.compress(cache)` when the policy has one."""
-    compress = getattr(cache.policy, "compress", None)
-    return cache if compress is None else compress(cache)
+def rank_keep(pos, score, first, limit):
+    """Keep mask over the last axis: the `first` entries, then the best `score` (ties keep the
+    later position), at most `limit` (shape pos.shape[:-1], broadcast) of the valid entries
+    (pos >= 0)."""
+    key = jnp.where(first, -jnp.inf, -score.astype(jnp.float32))  # lower = keep
+    key = jnp.where(pos >= 0, key, jnp.inf)
+    idx = jnp.broadcast_to(jnp.arange(pos.shape[-1], dtype=jnp.int32), pos.shape)
+    order = jax.lax.sort((key, -pos, idx), dimension=-1, num_keys=2)[2]
+    rank = jnp.argsort(order, axis=-1)  # each entry's place in that order
+    return (rank < jnp.asarray(limit)[..., None]) & (pos >= 0)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "capacity"))
-def rebuild(cache, policy, capacity: int):
-    """A cache of `capacity` slots holding, per layer, the slots `policy.select(view)` keeps.
+def keep_best(pos, score, protected, n_keep):
+    """Per kv head: the protected slots, then the best scores, at most n_keep [B] per head.
+    pos, score, protected: [B, K, C] -> [B, K, C] bool."""
+    return rank_keep(pos, score, protected, n_keep[:, None])
 
-    `select(view) -> (keep [B, K, capacity] old slot indices (old C = empty), layer stats)`.
-    Keys and values go through the format's read and write, so any storage format works."""
-    L, B, K, C0 = cache.pos.shape
-    fmt = cache.fmt
-    view0 = jax.eval_shape(lambda c: c.layer_view(0), cache)
-    E = view0.k.shape[-1]
-    stats0 = jax.eval_shape(lambda v: policy.select(v)[1], view0)
-    slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (B, K, capacity))
 
-    def body(carry, layer):
-        k, v, pos, stats = carry
-        view = cache.layer_view(layer)
-        keep, st = policy.select(view)  # [B, K, capacity]
-        ok = keep < C0
-        idx = jnp.minimum(keep, C0 - 1)
-
-        def take(x):  # [B, K, C0, E] -> [B, K, capacity, E]
-            return jnp.where(ok[..., None], jnp.take_along_axis(x, idx[..., None], axis=2), 0.0)
-
-        k = fmt.write(k, layer, slots, take(view.k), "k")
-        v = fmt.write(v, layer, slots, take(view.v), "v")
-        pos = pos.at[layer].set(jnp.where(ok, jnp.take_along_axis(view.pos, idx, -1), -1))
-        stats = jax.tree.map(lambda s, n: s.at[layer].set(n), stats, st)
-        return (k, v, pos, stats), None
-
-    init = (fmt.init((L, B, K, capacity, E), "k"), fmt.init((L, B, K, capacity, E), "v"),
-            jnp.full((L, B, K, capacity), -1, jnp.int32),
-            jax.tree.map(lambda s: jnp.zeros((L,) + s.shape, s.dtype), stats0))
-    (k, v, pos, stats), _ = jax.lax.scan(body, init, jnp.arange(L, dtype=jnp.int32))
-    return cache.replace(k=k, v=v, pos=pos, stats=stats, policy=policy)
+def keep_best_pool(pos, score, protected, n_keep, floor=None):
+    """Over all kv heads of a layer (a head pool's selection, Ada-KV): each head's protected
+    slots and its own best floor [B] others first (None: no floor), then the best scores of
+    the layer, at most K · n_keep [B] per row. pos, score, protected: [B, K, C] -> bool."""
+    B, K, C = pos.shape
+    first = protected
+    if floor is not None:  # Ada-KV's safeguard: no head falls below its own best `floor`
+        first = rank_keep(pos, score, protected, jnp.sum(protected, axis=-1) + floor[:, None])
+    flat = rank_keep(pos.reshape(B, K * C), score.reshape(B, K * C), first.reshape(B, K * C),
+                     K * n_keep)
+    return flat.reshape(B, K, C)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
-from kvjax.policies.base import Policy, broadcast_new, register
+from kvjax.policies.base import Policy, at_positions, register
 
 
 @register
 @dataclasses.dataclass(frozen=True)
 class Full(Policy):
     name = "full"
+    modes = ("evict",)
+    mode_note = "it keeps every token; the full cache is the baseline of both modes"
 
     def validate(self, max_len: int) -> None:
         if self.budget is not None and self.budget != max_len:
@@ -20,14 +20,10 @@ class Full(Policy):
                 f"policy 'full' keeps every token: its budget is the maximum length ({max_len}), "
                 f"got budget={self.budget}; use an eviction policy for smaller budgets"
             )
+        super().validate(max_len)
 
     def capacity(self, max_len: int) -> int:
         return max_len
 
-    def max_chunk(self, max_len: int) -> int:
-        return max_len
-
-    def update(self, view, k_new, v_new, pos_new, probs):
-        C = view.pos.shape[-1]
-        ok = (pos_new >= 0) & (pos_new < C)
-        return broadcast_new(jnp.where(ok, pos_new, C), view.pos.shape[1]), view.stats
+    def place(self, view, k_new, v_new, pos_new, probs):
+        return at_positions(view, pos_new), view.stats

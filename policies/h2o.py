@@ -13,7 +13,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import Evicting, evict, register, scatter_slots
+from kvjax.policies.base import Evicting, register
 
 
 @register
@@ -26,10 +26,8 @@ class H2O(Evicting):
     def init_stats(self, B, K, C):
         return {"acc": jnp.zeros((B, K, C), jnp.float32)}
 
-    def update(self, view, k_new, v_new, pos_new, probs):
+    def score(self, view, k_new, pos_new, probs):
         C = view.pos.shape[-1]
         acc = view.stats["acc"] + jnp.sum(probs[..., :C], axis=2)  # [B, K, C]
         acc_new = jnp.sum(probs[..., C:], axis=2)  # [B, K, T]
-        protected, protected_new = self.protected(view, pos_new)
-        slots = evict(view, pos_new, acc, acc_new, protected, protected_new)
-        return slots, {"acc": scatter_slots(acc, slots, acc_new)}
+        return acc, acc_new, {"acc": (acc, acc_new)}

@@ -9,7 +9,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import Evicting, evict, register, scatter_slots
+from kvjax.policies.base import Evicting, register
 
 
 @register
@@ -21,9 +21,8 @@ class KNorm(Evicting):
     def init_stats(self, B, K, C):
         return {"norm": jnp.zeros((B, K, C), jnp.float32)}
 
-    def update(self, view, k_new, v_new, pos_new, probs):
+    def score(self, view, k_new, pos_new, probs):
         k32 = k_new.astype(jnp.float32)
         norm_new = jnp.sqrt(jnp.einsum("BTKE,BTKE->BKT", k32, k32))  # [B, K, T]
-        protected, protected_new = self.protected(view, pos_new)
-        slots = evict(view, pos_new, -view.stats["norm"], -norm_new, protected, protected_new)
-        return slots, {"norm": scatter_slots(view.stats["norm"], slots, norm_new)}
+        norm = view.stats["norm"]  # [B, K, C]
+        return -norm, -norm_new, {"norm": (norm, norm_new)}

@@ -15,15 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import (
-    Evicting,
-    broadcast_new,
-    check_choice,
-    check_counts,
-    evict,
-    register,
-    scatter_slots,
-)
+from kvjax.policies.base import Evicting, broadcast_new, check_choice, check_counts, register
 
 USED_BY = ("threshold", "topk")
 
@@ -58,15 +50,12 @@ class LRU(Evicting):
         kth = jax.lax.top_k(share, min(self.top_k, share.shape[-1]))[0][..., -1:]  # [B, K, T, 1]
         return share >= kth
 
-    def update(self, view, k_new, v_new, pos_new, probs):
+    def score(self, view, k_new, pos_new, probs):
         C = view.pos.shape[-1]
-        K = view.pos.shape[1]
-        pn = broadcast_new(pos_new, K)  # [B, K, T]
+        pn = broadcast_new(pos_new, view.pos.shape[1])  # [B, K, T]
         used = self.used(probs) & (pn >= 0)[..., None]  # [B, K, T, C + T]
         clock = jnp.max(jnp.where(used, pn[..., None], -1), axis=2)  # [B, K, C + T]
         last = jnp.maximum(view.stats["last"], clock[..., :C])  # [B, K, C]
         last_new = jnp.maximum(pn, clock[..., C:])  # [B, K, T]
         now = view.length[:, None, None]  # scores relative to now: exact in float32
-        protected, protected_new = self.protected(view, pos_new)
-        slots = evict(view, pos_new, last - now, last_new - now, protected, protected_new)
-        return slots, {"last": scatter_slots(last, slots, last_new)}
+        return last - now, last_new - now, {"last": (last, last_new)}

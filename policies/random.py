@@ -12,7 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import Evicting, broadcast_new, check_counts, evict, register
+from kvjax.policies.base import Evicting, broadcast_new, check_counts, register
 
 
 def _mix(x):
@@ -43,12 +43,10 @@ class Random(Evicting):
         super().__post_init__()
         check_counts(self, seed=(self.seed, 0))
 
-    def update(self, view, k_new, v_new, pos_new, probs):
+    def score(self, view, k_new, pos_new, probs):
         K = view.pos.shape[1]
         step = jnp.maximum(jnp.max(pos_new, axis=-1), view.length - 1)[:, None, None]  # [B, 1, 1]
         head = jnp.arange(K)[None, :, None]
-        pn = broadcast_new(pos_new, K)  # [B, K, T]
         score = uniform_hash(self.seed, head, step, view.pos)  # [B, K, C]
-        score_new = uniform_hash(self.seed, head, step, pn)  # [B, K, T]
-        protected, protected_new = self.protected(view, pos_new)
-        return evict(view, pos_new, score, score_new, protected, protected_new), view.stats
+        score_new = uniform_hash(self.seed, head, step, broadcast_new(pos_new, K))  # [B, K, T]
+        return score, score_new, {}

@@ -4,7 +4,8 @@ tokens; the oldest non-sink token is evicted.
 `rope="cache"` (the paper's choice) stores keys unrotated and rotates queries and keys at their
 positions within the cache (sinks 0..n_sink-1, then the recent tokens in order), so positions
 never exceed the capacity plus one chunk and text longer than the model's context works.
-`rope="original"` keeps the absolute positions.
+`rope="original"` keeps the absolute positions (kvpress's setting). Compress mode keeps the
+sinks and the most recent `kept(n) - n_sink` prompt tokens.
 """
 
 from __future__ import annotations
@@ -13,31 +14,28 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import Policy, check_choice, check_counts, evict, protect, register
+from kvjax.policies.base import Evicting, check_choice, equal_scores, register
 
 ROPE_MODES = ("cache", "original")
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Streaming(Policy):
+class Streaming(Evicting):
     name = "streaming"
     budget: int | None = 256
     n_sink: int = 4
     rope: str = "cache"
 
     def __post_init__(self):
-        check_counts(self, n_sink=(self.n_sink, 0))
+        super().__post_init__()
         check_choice(self, "rope", self.rope, ROPE_MODES)
 
     def min_budget(self) -> int:
-        return self.n_sink + 1
+        return self.n_sink + max(1, self.window)
 
     def protected_desc(self) -> str:
-        return f"n_sink={self.n_sink} + 1 recent slot"
-
-    def max_chunk(self, max_len: int) -> int:
-        return max_len
+        return f"n_sink={self.n_sink} + {max(1, self.window)} recent slot(s)"
 
     def rope_positions(self, view, pos_new):
         """Positions within the cache: what is cached is the sinks plus a contiguous run of the
@@ -49,9 +47,5 @@ class Streaming(Policy):
         queries = jnp.where(pos_new >= 0, pos_new - shift[:, :1], pos_new)  # [B, T]
         return queries, keys
 
-    def update(self, view, k_new, v_new, pos_new, probs):
-        protected, protected_new = protect(view, pos_new, self.n_sink, 0)
-        zeros = jnp.zeros(view.pos.shape, jnp.float32)  # equal scores: the oldest goes first
-        slots = evict(view, pos_new, zeros, jnp.zeros(protected_new.shape), protected,
-                      protected_new)
-        return slots, view.stats
+    def score(self, view, k_new, pos_new, probs):
+        return equal_scores(view, pos_new)

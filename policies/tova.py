@@ -14,7 +14,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import Evicting, evict, register
+from kvjax.policies.base import Evicting, register
 
 
 @register
@@ -24,14 +24,17 @@ class TOVA(Evicting):
     budget: int | None = 256
     per_head: bool = False
 
-    def update(self, view, k_new, v_new, pos_new, probs):
+    def score(self, view, k_new, pos_new, probs):
         C = view.pos.shape[-1]
-        if probs.shape[2] == 1:
-            row = probs[:, :, 0]  # [B, K, C + 1]
-        else:
-            last = jnp.maximum(jnp.sum(pos_new >= 0, axis=-1) - 1, 0)  # [B] last real query
-            row = jnp.take_along_axis(probs, last[:, None, None, None], axis=2)[:, :, 0]
+        row = last_query(probs, pos_new)  # [B, K, C + T]
         if not self.per_head:
             row = jnp.broadcast_to(jnp.mean(row, axis=1, keepdims=True), row.shape)
-        protected, protected_new = self.protected(view, pos_new)
-        return evict(view, pos_new, row[..., :C], row[..., C:], protected, protected_new), view.stats
+        return row[..., :C], row[..., C:], {}
+
+
+def last_query(probs, pos_new):
+    """The attention row of each row's last real query: [B, K, T, C + T] -> [B, K, C + T]."""
+    if probs.shape[2] == 1:
+        return probs[:, :, 0]
+    last = jnp.maximum(jnp.sum(pos_new >= 0, axis=-1) - 1, 0)  # [B]
+    return jnp.take_along_axis(probs, last[:, None, None, None], axis=2)[:, :, 0]

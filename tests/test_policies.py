@@ -1,10 +1,12 @@
 """Policy invariants on a tiny random model (property-tested), compile-once decode, bad input.
 
-Invariants after every chunk: capacity never exceeded and every slot that can be filled is;
-positions unique per (layer, row, head) and already seen; protected tokens (sinks, the recent
-window, SnapKV's pinned prompt tokens) never evicted; while a row has seen no more tokens than
-the budget its logits equal the full cache's. Chunks are 3 tokens with per-row padding, so
-rows advance at different speeds and evict independently.
+Invariants after every chunk, in both modes: positions unique per (layer, row, head) and
+already seen. Evict mode: capacity never exceeded and every slot that can be filled is;
+protected tokens (sinks, the recent window) never evicted; while a row has seen no more tokens
+than the budget its logits equal the full cache's. Compress mode: the prompt is held whole
+(full-cache logits), the selection keeps kept(n) slots per head with the protected ones among
+them, and afterwards the cache grows: the selection stays and every new token is added. Chunks
+are 3 tokens with per-row padding, so rows advance at different speeds and evict independently.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from kvjax.config import tiny_config
 from kvjax.formats import get_format
 from kvjax.generate import decode_step
 from kvjax.model import forward, init_params
-from kvjax.policies import POLICIES, LayerView, compress_cache, get_policy
+from kvjax.cache import LayerView
+from kvjax.policies import POLICIES, get_policy
 from kvjax.policies.base import Evicting
 
 FMT = get_format("f32")
@@ -44,7 +47,11 @@ CASES = [
     ("lru", {"n_sink": 1, "window": 2, "used_by": "topk", "top_k": 3}),
     ("knorm", {"n_sink": 1, "window": 2}),
     ("random", {"seed": 3, "n_sink": 1, "window": 2}),
-    ("snapkv", {"window": 3, "kernel": 3}),
+    ("snapkv", {"window": 3, "kernel": 3}),  # compress mode only
+    ("h2o", {"n_sink": 1, "window": 3, "mode": "compress"}),
+    ("tova", {"window": 1, "mode": "compress"}),
+    ("streaming", {"n_sink": 2, "mode": "compress"}),
+    ("window", {"mode": "compress"}),
 ]
 IDS = [f"{n}-{i}" for i, (n, _) in enumerate(CASES)]
 
@@ -60,66 +67,92 @@ def model_step(params, tokens, cache, cfg, n_valid):
     return forward(params, tokens, cache, cfg, n_valid)
 
 
-def must_keep(policy, n: int, capacity: int, pinned=()) -> set[int]:
-    """Positions a row that has seen n tokens must still hold."""
+def must_keep(policy, n: int, capacity: int) -> set[int]:
+    """Positions a row that has seen n tokens must still hold (compress: in the selection)."""
     if policy.name == "window":
         return set(range(max(0, n - capacity), n))
     if policy.name == "streaming":
         return set(range(min(policy.n_sink, n))) | set(
             range(max(0, n - (capacity - policy.n_sink)), n))
     if policy.name == "snapkv":
-        if capacity == MAX_LEN:  # prefill: nothing is evicted
-            return set(range(n))
-        return set(range(max(0, n - policy.window), n)) | set(pinned)
+        return set(range(max(0, n - policy.window), n))
     assert isinstance(policy, Evicting)
     return set(range(min(policy.n_sink, n))) | set(range(max(0, n - policy.window), n))
 
 
-def check_invariants(policy, cache, lengths, pinned):
+def held_sets(cache):
+    """[B][L][K] sets of the positions held."""
+    pos = np.asarray(cache.pos)  # [L, B, K, C]
+    L, B, K, _ = pos.shape
+    return [[[set(pos[layer, b, k][pos[layer, b, k] >= 0].tolist()) for k in range(K)]
+             for layer in range(L)] for b in range(B)]
+
+
+def check_invariants(policy, cache, lengths, selected, at):
+    """selected: per [b][layer][k] the compress-mode selection (None before it); at: the row
+    lengths when it was made."""
     pos = np.asarray(cache.pos)  # [L, B, K, C]
     L, B, K, cap = pos.shape
-    assert cap == (MAX_LEN if "obs" in cache.stats else policy.budget)
     for b in range(B):
         sets = []
         for layer in range(L):
             for k in range(K):
                 held = pos[layer, b, k][pos[layer, b, k] >= 0]
                 assert len(set(held.tolist())) == len(held), "duplicate positions"
-                assert len(held) == min(lengths[b], cap), "a slot left empty or overfilled"
                 assert held.max(initial=-1) < lengths[b], "a position not seen yet"
-                missing = must_keep(policy, lengths[b], cap, pinned[b][layer][k]) - set(
-                    held.tolist())
-                assert not missing, f"protected positions evicted: {sorted(missing)}"
+                if policy.mode == "evict":
+                    assert cap == policy.budget
+                    assert len(held) == min(lengths[b], cap), "a slot left empty or overfilled"
+                    missing = must_keep(policy, lengths[b], cap) - set(held.tolist())
+                    assert not missing, f"protected positions evicted: {sorted(missing)}"
+                elif selected is None:  # the prompt: nothing evicted
+                    assert cap == MAX_LEN and set(held.tolist()) == set(range(lengths[b]))
+                else:  # grown: the selection and every token since
+                    want = selected[b][layer][k] | set(range(at[b], lengths[b]))
+                    assert set(held.tolist()) == want, "the grown cache lost or gained tokens"
                 sets.append(set(held.tolist()))
             if policy.name == "tova" and not policy.per_head:
                 assert all(s == sets[-1] for s in sets[-K:]), "layer-wise TOVA heads differ"
 
 
+def check_selection(policy, selected, at):
+    """kept(n) slots per head, the protected ones among them."""
+    for b, layers in enumerate(selected):
+        n = int(at[b])
+        for heads in layers:
+            for sel in heads:
+                assert len(sel) == policy.kept(n), "selection size"
+                missing = must_keep(policy, n, policy.kept(n)) - sel
+                assert not missing, f"protected positions not selected: {sorted(missing)}"
+
+
 def run_episode(policy, plan, n_prefill, seed):
     """Run the plan (n_valid per row per chunk) side by side with the full cache, checking the
-    invariants after every chunk; compress_cache after `n_prefill` chunks (SnapKV)."""
+    invariants after every chunk; in compress mode the first `n_prefill` chunks are the prompt,
+    then `cache.compress` leaves room for the rest."""
     rng = np.random.default_rng(seed)
     cache = KVCache.init(CFG, 2, policy, FMT, MAX_LEN)
     ref = KVCache.init(CFG, 2, get_policy("full"), FMT, MAX_LEN)
     lengths = np.zeros(2, np.int64)
-    pinned = [[[()] * CFG.n_kv_heads] * CFG.n_layers] * 2
+    selected, at = None, None
     compiled = None
     for s, n_valid in enumerate(plan):
-        if s == n_prefill:
-            cache = compress_cache(cache)
-            if policy.name == "snapkv":
-                pos = np.asarray(cache.pos)
-                pinned = [[[tuple(p for p in pos[layer, b, k] if 0 <= p < lengths[b] - policy.window)
-                            for k in range(pos.shape[2])] for layer in range(pos.shape[0])]
-                          for b in range(2)]
+        if s == n_prefill and policy.mode == "compress":
+            cache = cache.compress(T * (len(plan) - n_prefill))
+            selected, at = held_sets(cache), lengths.copy()
+            check_selection(policy, selected, at)
         toks = jnp.asarray(rng.integers(0, CFG.vocab_size, size=(2, T)), jnp.int32)
         nv = jnp.asarray(n_valid, jnp.int32)
         logits, cache = model_step(params(), toks, cache, CFG, nv)
         ref_logits, ref = model_step(params(), toks, ref, CFG, nv)
         lengths += np.asarray(n_valid)
-        check_invariants(policy, cache, lengths, pinned)
+        check_invariants(policy, cache, lengths, selected, at)
         for b in range(2):
-            if lengths[b] <= policy.budget or "obs" in cache.stats:  # nothing evicted yet
+            if policy.mode == "evict":
+                whole = lengths[b] <= policy.budget
+            else:  # the prompt, or a selection that dropped nothing
+                whole = at is None or policy.kept(int(at[b])) == at[b]
+            if whole:
                 np.testing.assert_allclose(logits[b, :n_valid[b]], ref_logits[b, :n_valid[b]],
                                            atol=1e-5, rtol=0)
         if compiled is None or s == n_prefill:
@@ -202,13 +235,13 @@ def test_streaming_rope_positions_by_hand():
     ("streaming", {"n_sink": 2}), ("h2o", {"window": 3}), ("snapkv", {"window": 3}),
 ])
 def test_decode_step_compiles_once(name, opts):
-    """generate.decode_step over many evicting steps: one compile (two for SnapKV: prefill
-    cache, then the compressed one)."""
+    """generate.decode_step over many evicting (or growing) steps: one compile (two for SnapKV:
+    the prompt's cache, then the compressed one)."""
     cache = KVCache.init(CFG, 2, get_policy(name, budget=C, **opts), FMT, MAX_LEN)
     tok = jnp.zeros((2,), jnp.int32)
     for _ in range(6):
         logits, cache = decode_step(params(), tok, cache, CFG)
-    cache = compress_cache(cache)
+    cache = cache.compress(1 + 3 * C)
     logits, cache = decode_step(params(), tok, cache, CFG)
     size = decode_step._cache_size()
     for _ in range(3 * C):
@@ -232,7 +265,7 @@ def test_snapkv_compress_keeps_the_format():
     pos_new = jnp.arange(12)[None]
     slots, stats = policy.update(cache.layer_view(0), k, k, pos_new, jnp.asarray(probs))
     cache = cache.write(0, slots, k, k, pos_new, stats).replace(length=jnp.asarray([12]))
-    small = compress_cache(cache)
+    small = cache.compress()
     assert small.capacity == 6 and jax.tree.map(lambda x: x.dtype, small.k) == jax.tree.map(
         lambda x: x.dtype, cache.k)
     held = np.asarray(small.pos[0, 0, 0])
@@ -240,7 +273,7 @@ def test_snapkv_compress_keeps_the_format():
     j = int(np.flatnonzero(held == 3)[0])
     np.testing.assert_allclose(small.layer_view(0).k[0, 0, j], cache.layer_view(0).k[0, 0, 3],
                                atol=0.05)
-    assert compress_cache(small) is small
+    assert small.compress() is small
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -270,7 +303,7 @@ def test_budget_below_sinks_plus_window():
     with pytest.raises(ValueError, match=r"budget=10 is below.*n_sink=4 \+ window=16 = 20.*"
                                          r"valid range: 20 <= budget <= 64"):
         get_policy("lru", budget=10).validate(64)
-    with pytest.raises(ValueError, match=r"n_sink=4 \+ 1 recent slot = 5.*5 <= budget"):
+    with pytest.raises(ValueError, match=r"n_sink=4 \+ 1 recent slot\(s\) = 5.*5 <= budget"):
         get_policy("streaming", budget=4).validate(64)
 
 
@@ -292,17 +325,33 @@ def test_budget_above_max_length_fails_before_allocating():
     ("random", {"seed": -1}, r"seed must be an integer >= 0"),
     ("adakv", {"floor": 1.5}, r"policy 'adakv': floor must be in \[0, 1\], got 1.5"),
     ("adasnapkv", {"floor": "all"}, r"policy 'adasnapkv': floor must be in \[0, 1\], got 'all'"),
-    ("adakv", {"score": "max"}, r"score='max' is not one of \('acc', 'current'\)"),
+    ("adakv", {"score_by": "max"}, r"score_by='max' is not one of \('acc', 'current'\)"),
 ])
 def test_bad_hyperparameters(name, opts, match):
     with pytest.raises(ValueError, match=match):
         get_policy(name, **opts)
 
 
-def test_compress_protocol_flags():
-    for name in ("snapkv", "adasnapkv"):
-        assert get_policy(name).prefill_only and get_policy(name).compress is not None
-    for name in POLICIES:
-        if name not in ("snapkv", "adasnapkv"):
-            policy = get_policy(name)
-            assert policy.compress is None and not policy.prefill_only
+def test_every_scoring_policy_runs_both_modes():
+    """Both protocols for every policy that scores; the prompt-window ones only compress, and
+    asking them to evict (or anyone for an unknown mode) is one clear error."""
+    for name, cls in POLICIES.items():
+        want = {"full": ("evict",), "snapkv": ("compress",), "adasnapkv": ("compress",)}
+        assert cls.modes == want.get(name, ("evict", "compress")), name
+    with pytest.raises(ValueError, match=r"policy 'snapkv' cannot run mode='evict' \(it selects "
+                                         r"once .*\); its modes: compress"):
+        get_policy("snapkv", mode="evict").validate(64)
+    with pytest.raises(ValueError, match=r"mode='stream' is not one of \('evict', 'compress'\)"):
+        get_policy("h2o", mode="stream").validate(64)
+    with pytest.raises(ValueError, match=r"ratio=0.5 needs mode='compress'"):
+        get_policy("h2o", ratio=0.5).validate(64)
+    with pytest.raises(ValueError, match=r"ratio must be in \[0, 1\).*got 1.0"):
+        get_policy("h2o", ratio=1.0, mode="compress").validate(64)
+
+
+def test_kept_follows_budget_or_ratio():
+    h2o = get_policy("h2o", budget=40, window=8, mode="compress")
+    assert [h2o.kept(n) for n in (5, 40, 100)] == [5, 40, 40]
+    r = get_policy("h2o", budget=None, ratio=0.75, window=8, mode="compress")
+    assert [r.kept(n) for n in (5, 40, 100)] == [5, 10, 25]  # int(n/4), at least the window
+    assert get_policy("snapkv", ratio=0.5, budget=None, window=16).kept(20) == 16

@@ -35,7 +35,7 @@ CFG = tiny_config(max_seq_len=MAX_LEN)  # 2 kv heads, 4 query heads, 2 layers
 # ----------------------------------------------------------------------------- the reference
 
 
-def adakv_reference(A, chunks, C, n_sink=0, window=0, score="acc", floor=0.2):
+def adakv_reference(A, chunks, C, n_sink=0, window=0, score_by="acc", floor=0.2):
     """Kept positions per kv head after each chunk, for one row, from Ada-KV's definition.
 
     A: [K, N, N] attention rows (query, key) summed over each kv group's query heads. All
@@ -59,7 +59,7 @@ def adakv_reference(A, chunks, C, n_sink=0, window=0, score="acc", floor=0.2):
 
             def key(e, t_last=t_last):
                 k, j = e
-                s = kept[e] if score == "acc" else float(A[k, t_last, j])
+                s = kept[e] if score_by == "acc" else float(A[k, t_last, j])
                 return (s, j, k)
 
             def protected(e, t_last=t_last):
@@ -101,11 +101,11 @@ def drive(cache, A, plan):
 
 @pytest.mark.parametrize("sizes", [(1,), (1, 3, 7)], ids=["token", "chunks"])
 @pytest.mark.parametrize("opts", [
-    {"score": "acc", "window": 1, "floor": 0.0},
-    {"score": "acc", "n_sink": 1, "window": 2},
-    {"score": "current", "window": 1, "floor": 0.0},
-    {"score": "acc", "window": 1, "floor": 0.7},  # 2 of each head's 3 heavy slots guarded
-    {"score": "current", "window": 0, "floor": 0.5},
+    {"score_by": "acc", "window": 1, "floor": 0.0},
+    {"score_by": "acc", "n_sink": 1, "window": 2},
+    {"score_by": "current", "window": 1, "floor": 0.0},
+    {"score_by": "acc", "window": 1, "floor": 0.7},  # 2 of each head's 3 heavy slots guarded
+    {"score_by": "current", "window": 0, "floor": 0.5},
 ], ids=["acc", "acc-sinks", "current", "acc-floor", "current-floor"])
 def test_joint_eviction_matches_reference(opts, sizes):
     """2 rows x 3 heads, budget 4 per head (a pool of 12), 40 steps with padding; chunks of up
@@ -180,7 +180,7 @@ def check_pool(policy, cache, lengths):
 def test_invariants_through_the_model(plan, score, seed):
     """Rows of different lengths (padding), chunks of 3; against the full cache while no row
     has evicted anything (an entry only goes once the pool holds K · budget)."""
-    policy = get_policy("adakv", budget=5, window=2, n_sink=1, score=score)
+    policy = get_policy("adakv", budget=5, window=2, n_sink=1, score_by=score)
     rng = np.random.default_rng(seed)
     cache = KVCache.init(CFG, 2, policy, FMT, MAX_LEN)
     ref = KVCache.init(CFG, 2, get_policy("full"), FMT, MAX_LEN)
@@ -208,7 +208,7 @@ def test_floor_one_is_the_per_head_policy(score, per_head):
     opts = {"budget": 5, "window": 2, "n_sink": 1}
     name, extra = per_head
     for floor in (1.0, 0.0):
-        pool = KVCache.init(CFG, 2, get_policy("adakv", score=score, floor=floor, **opts), FMT,
+        pool = KVCache.init(CFG, 2, get_policy("adakv", score_by=score, floor=floor, **opts), FMT,
                             MAX_LEN)
         fixed = KVCache.init(CFG, 2, get_policy(name, **opts, **extra), FMT, MAX_LEN)
         rng = np.random.default_rng(3)
@@ -282,8 +282,8 @@ def test_pyramid_over_adakv_gives_per_layer_and_per_head_budgets():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match=r"score='max' is not one of \('acc', 'current'\)"):
-        get_policy("adakv", score="max")
+    with pytest.raises(ValueError, match=r"score_by=.max. is not one of \('acc', 'current'\)"):
+        get_policy("adakv", score_by="max")
     with pytest.raises(ValueError, match=r"budget=3 is below.*n_sink=0 \+ window=32"):
         KVCache.init(CFG, 1, get_policy("adakv", budget=3), FMT, MAX_LEN)
     with pytest.raises(ValueError, match=r"keep_heads=\(0,\) cannot apply to policy 'adakv'.*"

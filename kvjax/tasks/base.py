@@ -18,11 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from kvjax.cache import KVCache, init_cache
+from kvjax.cache import KVCache
 from kvjax.config import ModelConfig
-from kvjax.generate import decode_step, prefill, sample
+from kvjax.generate import generate
 from kvjax.model import forward
-from kvjax.policies import compress_cache
 
 TASKS: dict[str, type[Task]] = {}
 
@@ -76,6 +75,11 @@ class Task:
     def seq_len(self) -> int:
         raise NotImplementedError
 
+    def ratio_length(self) -> int | None:
+        """The one prompt (or text) length a `ratio=` turns into an evict-mode budget; None
+        when the task has several."""
+        return None
+
     def validate(self) -> None:
         """Raise a clear error for settings that cannot work (before the model loads)."""
 
@@ -90,8 +94,14 @@ class Task:
 
 def check_positive(task: Task, **values) -> None:
     for k, v in values.items():
-        if not isinstance(v, int) or v <= 0:
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"task {task.name!r}: {k}={v!r} must be a positive integer")
+
+
+def check_chunk(task: Task, chunk) -> None:
+    """A prefill chunk: a positive token count, or None for the whole prompt at once."""
+    if chunk is not None:
+        check_positive(task, chunk=chunk)
 
 
 def check_depths(task: Task, depths: Sequence[float]) -> None:
@@ -103,23 +113,10 @@ def check_depths(task: Task, depths: Sequence[float]) -> None:
         )
 
 
-def effective_chunk(chunk: int, policy, max_len: int, n_tokens: int) -> int:
-    """The chunk size used: at most what the policy can place in one update and the text.
-
-    A chunk above `policy.max_chunk(max_len)` is clamped to it (the record keeps the value
-    used as `chunk_used`)."""
-    return max(1, min(chunk, policy.max_chunk(max_len), n_tokens))
-
-
 def bar(iterable, ctx: TaskContext, desc: str, total: int | None = None):
     """tqdm over `iterable`, quiet unless attached to a terminal (or forced by ctx.progress)."""
     disable = None if ctx.progress is None else not ctx.progress
     return tqdm(iterable, desc=desc, total=total, disable=disable, leave=False, dynamic_ncols=True)
-
-
-def is_prefill_only(policy) -> bool:
-    """Policies that select the cache once after a prompt (they need a task with a prompt)."""
-    return policy.prefill_only
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -164,21 +161,11 @@ def chunked(ids: Sequence[int], chunk: int):
 
 
 def greedy_generate(ctx: TaskContext, prompts: Sequence[Sequence[int]], new_tokens: int,
-                    chunk: int):
-    """Prefill the prompts (right-padded, in chunks), run the after-prefill hook, then decode
-    `new_tokens` greedily. Returns (tokens [B, new_tokens] numpy, final cache)."""
-    cache = init_cache(ctx.cfg, len(prompts), ctx.policy, ctx.fmt, ctx.max_len, ctx.layout)
-    chunk = effective_chunk(chunk, ctx.policy, ctx.max_len, max(len(p) for p in prompts))
-    logits, cache = prefill(ctx.params, prompts, cache, ctx.cfg, chunk)
-    cache = compress_cache(cache)
-    key = jax.random.PRNGKey(0)
-    out = []
-    for _ in range(new_tokens):
-        tok = sample(logits, key, 0.0)
-        out.append(tok)
-        logits, cache = decode_step(ctx.params, tok, cache, ctx.cfg)
-    cache.check_finite()
-    return np.asarray(jnp.stack(out, axis=1)), cache
+                    chunk: int | None):
+    """`kvjax.generate.generate` greedily under the context's policy, format and layout:
+    (tokens [B, new_tokens] numpy, final cache)."""
+    return generate(ctx.params, ctx.cfg, prompts, new_tokens, ctx.policy, ctx.fmt,
+                    max_len=ctx.max_len, chunk=chunk, layout=ctx.layout)
 
 
 def chat_frame(tokenizer) -> tuple[list[int], list[int]]:

@@ -17,6 +17,7 @@ from kvjax.tasks.base import (
     TaskContext,
     TaskResult,
     bar,
+    check_chunk,
     check_depths,
     check_positive,
     contains_answer,
@@ -69,15 +70,19 @@ class Needle(RetrievalTask):
     n_samples: int = 1
     digits: int = 7
     new_tokens: int = 12
-    chunk: int = 256
+    chunk: int | None = None  # prefill chunk; None: each prompt in one forward
     text_file: str | None = None
 
     def seq_len(self) -> int:
         return max(self.lengths) + self.new_tokens
 
+    def ratio_length(self) -> int | None:
+        return self.lengths[0] if len(self.lengths) == 1 else None
+
     def validate(self) -> None:
         check_positive(self, n_samples=self.n_samples, digits=self.digits,
-                       new_tokens=self.new_tokens, chunk=self.chunk)
+                       new_tokens=self.new_tokens)
+        check_chunk(self, self.chunk)
         if not self.lengths:
             raise ValueError("task 'needle': lengths must be a non-empty list of token counts")
         for n in self.lengths:

@@ -16,6 +16,7 @@ import numpy as np
 from kvjax.tasks.base import (
     TaskContext,
     TaskResult,
+    check_chunk,
     check_depths,
     check_positive,
     contains_answer,
@@ -60,14 +61,18 @@ class Passkey(RetrievalTask):
     n_samples: int = 5
     digits: int = 5
     new_tokens: int = 10
-    chunk: int = 256
+    chunk: int | None = None  # prefill chunk; None: each prompt in one forward
 
     def seq_len(self) -> int:
         return self.length + self.new_tokens
 
+    def ratio_length(self) -> int:
+        return self.length
+
     def validate(self) -> None:
         check_positive(self, length=self.length, n_samples=self.n_samples, digits=self.digits,
-                       new_tokens=self.new_tokens, chunk=self.chunk)
+                       new_tokens=self.new_tokens)
+        check_chunk(self, self.chunk)
         check_depths(self, [self.depth])
         self.check_new_tokens("key")
 

@@ -2,8 +2,8 @@
 
 Tokens inside one chunk attend to each other causally and to the cache; the policy places the
 chunk (evicting if needed) after it is scored. chunk=1 is exact token-by-token streaming;
-larger chunks are faster and let eviction act every `chunk` tokens. A chunk above the
-policy's `max_chunk` is clamped to it (recorded as `chunk_used`).
+larger chunks are faster and let eviction act every `chunk` tokens (`chunk_used` records the
+size used: the chunk, or the text's length when that is shorter).
 """
 
 from __future__ import annotations

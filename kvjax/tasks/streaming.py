@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvjax.cache import init_cache
-from kvjax.tasks.base import Task, TaskContext, bar, check_positive, chunked, effective_chunk
+from kvjax.tasks.base import Task, TaskContext, bar, check_positive, chunked
 from kvjax.tasks.text import encode_prefix
 
 
@@ -23,6 +23,9 @@ class TextTask(Task):
     text_file: str | None = None
 
     def seq_len(self) -> int:
+        return self.length
+
+    def ratio_length(self) -> int:
         return self.length
 
     def validate(self) -> None:
@@ -65,7 +68,7 @@ def stream_text(task: TextTask, ctx: TaskContext, step: Callable, names: Sequenc
     values[name] at the chunk's positions."""
     ids = text_ids(task, ctx)
     n = len(ids)
-    chunk = effective_chunk(task.chunk, ctx.policy, ctx.max_len, n)
+    chunk = min(task.chunk, n)
     cache = init_cache(ctx.cfg, 1, ctx.policy, ctx.fmt, ctx.max_len, ctx.layout)
     values = {name: np.zeros(n, np.float32) for name in names}
     steps = list(chunked(ids, chunk))
