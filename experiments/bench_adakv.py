@@ -16,7 +16,7 @@ Sections:
   Also the spread of the heads' slot shares at the end (adakv): per layer the largest and
   smallest share over the budget.
 * `prompt`: the SnapKV setting: a `--prompt`-token prefix of the text is prefilled in chunks of
-  64, the cache is compressed (`compress_cache`), then the next `--continue` tokens are fed
+  64, the cache is compressed (`cache.compress`), then the next `--continue` tokens are fed
   token by token; ΔNLL of those tokens against the full cache, for h2o, adakv, snapkv and
   adasnapkv (Ada-SnapKV: SnapKV's scores, budgets allocated over all heads) at each budget.
 * `speed`: decode-step time of adakv against h2o at equal budget after `--tokens` tokens,
@@ -36,7 +36,7 @@ from experiments.bench_formats import TEXT_IDS, emit, header, load_real, stream_
 from kvjax.cache import KVCache
 from kvjax.formats import get_format
 from kvjax.generate import decode_step, prefill
-from kvjax.policies import compress_cache, get_policy
+from kvjax.policies import get_policy
 from kvjax.tasks.base import nll_chunk
 
 SECTIONS = ("bytes", "ppl", "prompt", "speed")
@@ -110,7 +110,7 @@ def continuation_nll(params, cfg, ids: np.ndarray, policy, n_prompt: int):
     nll of ids[n_prompt + 1:] and the final cache."""
     cache = KVCache.init(cfg, 1, policy, get_format("f32"), len(ids))
     _, cache = prefill(params, [ids[:n_prompt].tolist()], cache, cfg, chunk=64)
-    cache = compress_cache(cache)
+    cache = cache.compress(len(ids) - n_prompt)
     nll = []
     for i in range(n_prompt, len(ids) - 1):
         out, cache = _nll_step(params, jnp.asarray(ids[None, i:i + 1]),

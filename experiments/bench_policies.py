@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention import rope, rope_table
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, LayerView
 from kvjax.config import ModelConfig
 from kvjax.formats import get_format
 from kvjax.generate import decode_step
 from kvjax.model import init_params, to_device
-from kvjax.policies import LayerView, get_policy
+from kvjax.policies import get_policy
 from kvjax.policies.base import scatter_slots
 
 

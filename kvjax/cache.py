@@ -112,8 +112,10 @@ class KVCache:
         """An empty cache for `batch` rows; capacity comes from the policy's budget."""
         max_len = cfg.max_seq_len if max_len is None else max_len
         policy.validate(max_len)
-        if len(policy.layer_groups(cfg.n_layers, max_len)) > 1:
+        groups = policy.layer_groups(cfg.n_layers, max_len)
+        if len(groups) > 1:
             return LayerGroups.init(cfg, batch, policy, fmt, max_len)
+        policy = groups[0][2]  # one group: the policy it runs (pyramid's inner one)
         if policy.head_pool and cls is KVCache:
             HeadPool.check_format(fmt, policy, cfg.n_kv_heads, cfg.head_dim, max_len)
             if policy.mode == "evict":  # compress mode pools its heads when it selects

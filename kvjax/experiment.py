@@ -506,8 +506,10 @@ class Outcome:
     result: TaskResult | None = None
 
 
-def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print) -> Outcome:
-    """Run a planned point (or skip it if the store already holds its key)."""
+def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
+            precomputed: tuple[TaskResult, float] | None = None) -> Outcome:
+    """Run a planned point (or skip it if the store already holds its key). `precomputed`:
+    the task's (result, seconds) when `execute_shared` already ran it."""
     spec = plan_.spec
     store = ResultsStore(spec.results)
     if not spec.force:
@@ -536,8 +538,8 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print) -> Outcome:
                       plan_.max_len, text, spec.seed, is_baseline_point(plan_), spec.progress,
                       plan_.layout)
     t = time.perf_counter()
-    result = spec.task.run(ctx)
-    task_s = time.perf_counter() - t
+    result = spec.task.run(ctx) if precomputed is None else precomputed[0]
+    task_s = time.perf_counter() - t if precomputed is None else precomputed[1]
     base, base_source, base_s = get_baseline(plan_, ctx, text_sha,
                                              result if ctx.is_baseline else None)
 
@@ -580,6 +582,46 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print) -> Outcome:
     log_wandb(record, result, mode=spec.wandb.mode, project=spec.wandb.project,
               entity=spec.wandb.entity, run_dir=run_dir)
     return Outcome(record, stored, result=result)
+
+
+def shared_prefill_key(plan_: Plan) -> str | None:
+    """Points with the same key can share one prefill (score once, select many): compress-mode
+    policies that read a prompt alike, on the same model, task, text, format, layout and seed.
+    None: the point runs alone."""
+    from kvjax.generate import shares_prefill
+
+    if not plan_.spec.task.has_prompt or not shares_prefill(plan_.policy):
+        return None
+    ident = {k: plan_.point.get(k) for k in plan_.point if k not in ("policy", "sweep")}
+    return config_hash({**ident, "text_sha256": sha256_text(plan_.text)})
+
+
+def execute_shared(plans: list[Plan], run_dirs, echo=print) -> list[Outcome]:
+    """Execute several planned points, running each group that shares a prefill
+    (`shared_prefill_key`) with one prefill (`Task.run_many` -> `generate_many`); every point
+    still gets its own record, baseline and speed probe. Points already stored are skipped."""
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(plans):
+        store = ResultsStore(p.spec.results)
+        if not p.spec.force and store.find(p.key) is not None:
+            continue
+        key = shared_prefill_key(p)
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    done: dict[int, tuple[TaskResult, float]] = {}
+    for members in (m for m in groups.values() if len(m) > 1):
+        first = plans[members[0]]
+        model = load(first.spec.model)
+        ctx = TaskContext(model.params, model.cfg, model.tokenizer, first.policy, first.fmt,
+                          first.max_len, first.text, first.spec.seed, False, first.spec.progress,
+                          first.layout)
+        t = time.perf_counter()
+        results = first.spec.task.run_many(ctx, [plans[i].policy for i in members])
+        seconds = (time.perf_counter() - t) / len(members)
+        echo(f"shared prefill: {len(members)} points of task {first.spec.task.name!r} read "
+             "each prompt once")
+        done.update({i: (r, seconds) for i, r in zip(members, results)})
+    return [execute(p, d, echo, done.get(i)) for i, (p, d) in enumerate(zip(plans, run_dirs))]
 
 
 def run(spec: RunSpec, run_dir: str | os.PathLike, echo=print) -> Outcome:

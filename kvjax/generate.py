@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache, init_cache
+from kvjax.cache import KVCache, LayerView, init_cache
 from kvjax.config import ModelConfig
 from kvjax.model import forward
+from kvjax.policies.base import Observers
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -134,3 +135,35 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new
                           extra=max_new_tokens, chunk=chunk, layout=layout)
     return decode(params, cfg, logits, cache, max_new_tokens, temperature=temperature,
                   top_p=top_p, seed=seed)
+
+
+def shares_prefill(policy) -> bool:
+    """A compress-mode policy whose prompt cache any other such policy could read with it:
+    keys stored rotated at their absolute positions, one per-head cache (no layer groups)."""
+    if policy.mode != "compress" or len(policy.layer_groups(2, 2)) > 1:
+        return False
+    view = LayerView(k=None, v=None, pos=jnp.zeros((1, 1, 1), jnp.int32), stats={},
+                     length=jnp.zeros((1,), jnp.int32))
+    return policy.rope_positions(view, jnp.zeros((1, 1), jnp.int32))[1] is None
+
+
+def generate_many(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
+                  max_new_tokens: int, policies: Sequence, fmt, *, max_len: int | None = None,
+                  chunk: int | None = None, layout=None):
+    """Score once, select many: one prefill records what every compress-mode policy needs
+    (`Observers`), then each selects from it and decodes greedily. Equal to calling
+    `generate` once per policy (tested), at one prefill's cost. Returns [(tokens, cache)]."""
+    max_len = cfg.max_seq_len if max_len is None else max_len
+    check_fits([len(p) for p in prompts], max_new_tokens, max_len)
+    bad = [p.name for p in policies if not shares_prefill(p)]
+    if bad:
+        raise ValueError(f"policies {bad} cannot share a prefill (they need mode='compress', "
+                         "keys at absolute positions and one cache per head); use generate")
+    shared = Observers(policies=tuple(policies))
+    cache = init_cache(cfg, len(prompts), shared, fmt, max_len, layout)
+    logits, cache = prefill(params, prompts, cache, cfg, chunk)
+    out = []
+    for i in range(len(policies)):
+        mine = shared.part(cache, i).compress(max_new_tokens)  # a new cache: `cache` stays
+        out.append(decode(params, cfg, logits, mine, max_new_tokens))
+    return out

@@ -182,6 +182,8 @@ class Policy:
     def observe(self, view: LayerView, k_new, pos_new, probs):
         """Compress mode, the prompt: slot = position (nothing evicted); scores recorded."""
         cached, new, tracked = self.score(view, k_new, pos_new, probs)
+        real = jnp.any(pos_new >= 0, axis=-1)[:, None, None]  # [B, 1, 1] rows with tokens
+        cached = jnp.where(real, cached, view.stats[SCORE])  # a padding chunk scores nothing
         slots = at_positions(view, pos_new)
         return slots, scatter_tracked({**tracked, SCORE: (cached, new)}, slots)
 
@@ -216,6 +218,42 @@ class Grown(Policy):
 
     def grown(self) -> Policy:
         return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Observers(Policy):
+    """Score once, select many: reads a prompt for several compress-mode `policies` at once
+    (slot = position for all; each one's stats recorded side by side, stats[i]), so one
+    prefill serves every selection (`kvjax.generate.generate_many`). The policies must store
+    keys the same way (rotated at absolute positions) and keep a per-head cache while they
+    read (no layer groups)."""
+
+    name: ClassVar[str] = "observers"
+    modes: ClassVar[tuple[str, ...]] = ("compress",)
+    policies: tuple = ()
+    mode: str = "compress"
+
+    def validate(self, max_len: int) -> None:
+        for p in self.policies:
+            p.validate(max_len)
+            if p.mode != "compress" or len(p.layer_groups(2, max_len)) > 1:
+                raise ValueError(f"policy {p.name!r} cannot share a prefill: one compress-mode "
+                                 "cache per head is needed (no layer groups, mode='compress')")
+
+    def cache_stats(self, B, K, C):
+        return tuple(p.cache_stats(B, K, C) for p in self.policies)
+
+    def update(self, view, k_new, v_new, pos_new, probs):
+        stats = []
+        for i, p in enumerate(self.policies):
+            _, st = p.update(dataclasses.replace(view, stats=view.stats[i]), k_new, v_new,
+                             pos_new, probs)
+            stats.append(st)
+        return at_positions(view, pos_new), tuple(stats)
+
+    def part(self, cache, i: int):
+        """The prefilled cache as policy i read it (ready for `compress`)."""
+        return cache.replace(policy=self.policies[i], stats=cache.stats[i])
 
 
 def broadcast_new(pos_new, K: int):

@@ -7,8 +7,8 @@ observation window by the attention those `window` queries gave it (summed over 
 the kv group's query heads), pools the scores along positions with a 1-D `pool` ("max" or
 "avg", size `kernel`, stride 1, same length; avg counts the padding as zeros, max ignores it,
 as torch does), and keeps the `kept(n) - window` best per kv head plus the whole window.
-`per_head=False` averages the pooled scores over the kv heads, so every head keeps the same
-positions. Ties in the pooled score keep the later position (the older token goes first, as in
+`per_head=False` averages the window's attention over the kv heads before pooling, so every
+head keeps the same positions. Ties in the pooled score keep the later position (the older token goes first, as in
 every kvjax policy). kvpress's settings: window 64, kernel 5, avg pool
 (`policy=snapkv_kvpress`). After the selection the cache grows (compress mode).
 """
@@ -81,14 +81,14 @@ class SnapKV(Policy):
         start = (view.length - self.window)[:, None, None]  # [B, 1, 1] first observed position
         prefix = (view.pos >= 0) & (view.pos < start)  # [B, K, C0]
         recent = (view.pos >= 0) & ~prefix
-        score = pool_1d(jnp.sum(view.stats["obs"], axis=-1), prefix, self.kernel, self.pool)
-        return prefix, recent, score
+        obs = jnp.sum(view.stats["obs"], axis=-1)  # [B, K, C0]
+        if not self.per_head:  # one score per position: the mean over the kv heads
+            obs = jnp.broadcast_to(jnp.mean(obs, axis=1, keepdims=True), obs.shape)
+        return prefix, recent, pool_1d(obs, prefix, self.kernel, self.pool)
 
     def select(self, view, n_keep):
         """The observation window, then the best pooled prefix scores: [B, K, C0] bool."""
         prefix, recent, score = self.prompt_scores(view)
-        if not self.per_head:
-            score = jnp.broadcast_to(jnp.mean(score, axis=1, keepdims=True), score.shape)
         return keep_best(view.pos, jnp.where(prefix, score, -jnp.inf), recent, n_keep)
 
 

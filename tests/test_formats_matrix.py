@@ -16,7 +16,7 @@ from kvjax.config import tiny_config
 from kvjax.formats import FORMATS as REGISTERED
 from kvjax.formats import get_format
 from kvjax.model import forward, init_params
-from kvjax.policies import POLICIES, compress_cache, get_policy
+from kvjax.policies import POLICIES, get_policy
 
 CFG = tiny_config(max_seq_len=64)  # head_dim 8: int groups of 8, capacities multiples of 8
 PROMPT, CHUNK, STEPS = 24, 8, 5
@@ -33,7 +33,7 @@ def make_format(label: str):
     return get_format(label.split("-")[0], **FORMATS[label])
 
 
-SHRINK = {"window": 4, "n_sink": 2, "n_groups": 2, "ratio": 3.0}  # what the tiny model has room for
+SHRINK = {"window": 4, "n_sink": 2, "n_groups": 2, "taper": 3.0}  # what the tiny model has room for
 
 
 def small_policy(name: str, budget: int):
@@ -43,7 +43,7 @@ def small_policy(name: str, budget: int):
     cls = POLICIES[name]
     fields = {f.name for f in dataclasses.fields(cls)}
     shrunk = {k: v for k, v in SHRINK.items() if k in fields}
-    for extra in ({}, shrunk, dict(shrunk, ratio=1.0)):
+    for extra in ({}, shrunk, dict(shrunk, taper=1.0)):
         try:
             policy = get_policy(name, **opts, **extra)
             policy.validate(MAX_LEN)
@@ -70,13 +70,13 @@ def _forward(params, tokens, cache):
     return forward(params, tokens, cache, CFG)
 
 
-def _hook_then_decode(params, ids, cache):
-    """The after-prefill hook, then one decode step per id (a scan): logits [T, V], cache."""
+def _decode(params, ids, cache):
+    """One decode step per id (a scan): logits [T, V], cache."""
     def step(c, tok):
         logits, c = forward(params, tok.reshape(1, 1), c, CFG)
         return c, logits[0, 0]
 
-    cache, logits = jax.lax.scan(step, compress_cache(cache), ids)
+    cache, logits = jax.lax.scan(step, cache, ids)
     return logits, cache
 
 
@@ -85,30 +85,32 @@ def shapes(tree):
 
 
 def run(params, ids, policy, fmt):
-    """Prefill PROMPT tokens one at a time (evicting once the budget is full), the
-    after-prefill hook, then STEPS decode steps: one compiled T = 1 step per (policy, format),
-    plus one for hook + decode where the policy has a hook (SnapKV), so the ~65 combinations
-    stay fast. (Chunked writes under eviction are tested per format in test_formats.py.)
+    """Prefill PROMPT tokens one at a time (evict mode: evicting once the budget is full),
+    the compress-mode selection with room for STEPS tokens, then STEPS decode steps: one
+    compiled T = 1 step per (policy, format), plus one decode scan after a compress-mode
+    selection, so the ~65 combinations stay fast. (Chunked writes under eviction are tested per
+    format in test_formats.py.)
 
     Returns (logits [STEPS + 1, V] at the last prompt token and each decoded one, the shapes
-    after the prefill hook, the final cache)."""
+    decode must keep, the final cache)."""
     cache = KVCache.init(CFG, 1, policy, fmt, MAX_LEN)
     step = jax.jit(_forward).lower(params, jnp.zeros((1, 1), jnp.int32), cache).compile(
         compiler_options=FAST_COMPILE)
-    hooked = policy.compress is not None
-    after_hook = shapes(jax.eval_shape(compress_cache, cache))  # what decode must keep
+    compress = policy.mode == "compress"
     out = []
-    for t in range(PROMPT if hooked else SEQ):
+    for t in range(PROMPT if compress else SEQ):
         logits, cache = step(params, jnp.asarray(ids[None, t:t + 1]), cache)
         if t >= PROMPT - 1:
             out.append(logits[0, 0])
-    if hooked:
+    if compress:
+        cache = cache.compress(STEPS)
+    kept = shapes(cache)
+    if compress:
         rest = jnp.asarray(ids[PROMPT:])
-        tail = jax.jit(_hook_then_decode).lower(params, rest, cache).compile(
-            compiler_options=FAST_COMPILE)
+        tail = jax.jit(_decode).lower(params, rest, cache).compile(compiler_options=FAST_COMPILE)
         logits, cache = tail(params, rest, cache)
         out.extend(logits)
-    return np.asarray(jnp.stack(out)), after_hook, cache
+    return np.asarray(jnp.stack(out)), kept, cache
 
 
 SAMPLED = ("h2o", "snapkv")  # variants that route like their base format: a sample
@@ -124,10 +126,14 @@ def test_policy_format_matrix_with_eviction(setup, name, fmt_label):
     logits, hooked, cache = run(params, ids, policy, fmt)
     assert np.isfinite(logits).all()
     cache.check_finite()
-    assert shapes(cache) == hooked  # decode keeps every buffer's shape after the prefill hook
+    assert shapes(cache) == hooked  # decode keeps every buffer's shape
     for _, _, seg in cache.segments():  # one stacked cache per layer group
         held = np.asarray(seg.head_slots()).sum(-1)  # [L, B] slots held by all kv heads
-        assert (held == CFG.n_kv_heads * min(seg.capacity, SEQ)).all()
+        if policy.mode == "compress":  # the selection, grown by every decoded token
+            want = policy.kept(PROMPT) + STEPS
+        else:
+            want = min(seg.capacity, SEQ)
+        assert (held == CFG.n_kv_heads * want).all()
     if name != "full":
         assert cache.kv_nbytes() < KVCache.init(CFG, 1, get_policy("full"), fmt,
                                                 MAX_LEN).kv_nbytes()

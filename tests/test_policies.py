@@ -20,12 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, LayerView
 from kvjax.config import tiny_config
 from kvjax.formats import get_format
-from kvjax.generate import decode_step
+from kvjax.generate import decode_step, generate, generate_many
 from kvjax.model import forward, init_params
-from kvjax.cache import LayerView
 from kvjax.policies import POLICIES, get_policy
 from kvjax.policies.base import Evicting
 
@@ -355,3 +354,55 @@ def test_kept_follows_budget_or_ratio():
     r = get_policy("h2o", budget=None, ratio=0.75, window=8, mode="compress")
     assert [r.kept(n) for n in (5, 40, 100)] == [5, 10, 25]  # int(n/4), at least the window
     assert get_policy("snapkv", ratio=0.5, budget=None, window=16).kept(20) == 16
+
+
+GEN_CFG = tiny_config(n_layers=1, max_seq_len=MAX_LEN)
+
+
+@pytest.mark.parametrize("name,mode", [(n, m) for n in sorted(POLICIES) for m in POLICIES[n].modes])
+def test_generate_keeps_at_most_the_budget(name, mode):
+    """`kvjax.generate.generate` (the one loop the tasks and the speed probe share) runs every
+    policy in each of its modes: evict holds at most `budget` slots per head throughout, compress
+    selects at most kept(n) after the prompt and then grows by exactly the new tokens."""
+    opts = {} if name == "full" else {"budget": 12, "mode": mode}
+    if name in ("h2o", "lru", "adakv", "pyramid", "snapkv", "adasnapkv"):
+        opts["window"] = 4
+    if name == "pyramid":
+        opts["n_groups"] = 1
+    policy = get_policy(name, **opts)
+    params1 = init_params(GEN_CFG, jax.random.PRNGKey(1))
+    prompts = [list(range(1, 31)), list(range(5, 25))]
+    new = 5
+    out, cache = generate(params1, GEN_CFG, prompts, new, policy, FMT, max_len=MAX_LEN)
+    assert out.shape == (2, new)
+    held = np.asarray(cache.head_slots())  # [L, B, K]
+    lengths = [len(p) + new for p in prompts]
+    for b, n in enumerate(lengths):
+        if name == "full":
+            assert (held[:, b] == n).all()
+        elif mode == "evict":
+            assert held[:, b].max() <= 12 and held[:, b].sum(-1).max() <= 12 * GEN_CFG.n_kv_heads
+        else:
+            kept = policy.kept(len(prompts[b]))
+            if policy.head_pool:  # shares move between heads; the layer's total is fixed
+                assert (held[:, b].sum(-1) == GEN_CFG.n_kv_heads * (kept + new)).all()
+            else:
+                assert (held[:, b] == kept + new).all()
+
+
+def test_generate_many_equals_one_generate_per_policy():
+    """Score once, select many: one prefill read for several compress-mode policies gives each
+    exactly what its own generate gives (tokens and kept positions)."""
+    policies = [get_policy("snapkv", budget=12, window=4), get_policy("tova", budget=12,
+                mode="compress"), get_policy("h2o", budget=None, ratio=0.5, window=4,
+                mode="compress"), get_policy("knorm", budget=10, mode="compress")]
+    params1 = init_params(GEN_CFG, jax.random.PRNGKey(1))
+    prompts = [list(range(1, 31)), list(range(5, 25))]
+    many = generate_many(params1, GEN_CFG, prompts, 4, policies, FMT, max_len=MAX_LEN)
+    for policy, (tokens, cache) in zip(policies, many):
+        want, ref = generate(params1, GEN_CFG, prompts, 4, policy, FMT, max_len=MAX_LEN)
+        np.testing.assert_array_equal(tokens, want)
+        np.testing.assert_array_equal(np.asarray(cache.pos), np.asarray(ref.pos))
+    with pytest.raises(ValueError, match=r"\['h2o'\] cannot share a prefill"):
+        generate_many(params1, GEN_CFG, prompts, 4, [get_policy("h2o", budget=12)], FMT,
+                      max_len=MAX_LEN)

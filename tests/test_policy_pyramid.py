@@ -98,10 +98,10 @@ def test_decode_compiles_once_and_names_bad_layers_globally():
 @pytest.mark.parametrize("options, match", [
     ({"budget": 40, "taper": 3.0, "n_groups": 2}, r"group budgets \[60, 20\]; each must lie in \[32, 128\]"),
     ({"budget": 64, "taper": 0.5}, "taper .* must be >= 1, got 0.5"),
-    ({"budget": 64, "inner": "nope"}, r"inner='nope' is not a policy to run per layer group; "
-                                      r"use one of \["),
-    ({"budget": 64, "inner": "snapkv"}, r"inner='snapkv' cannot run mode='evict'; inner "
-                                        r"policies for it: \['adakv', 'h2o'"),
+    ({"budget": 64, "inner": "nope"},
+     r"inner='nope' is not a policy to run per layer group; use one of \["),
+    ({"budget": 64, "inner": "snapkv"},
+     r"inner='snapkv' cannot run mode='evict'; inner policies for it: \['adakv', 'h2o'"),
     ({"budget": 0}, "budget must be a positive integer, got 0"),
 ])
 def test_bad_input_is_a_clear_error(options, match):

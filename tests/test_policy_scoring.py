@@ -23,7 +23,7 @@ from kvjax.cache import KVCache
 from kvjax.config import tiny_config
 from kvjax.formats import get_format
 from kvjax.model import forward, init_params
-from kvjax.policies import Policy, compress_cache, get_policy
+from kvjax.policies import Policy, get_policy
 
 FMT = get_format("f32")
 FAST = {"xla_backend_optimization_level": 0}  # these tests compile many small programs
@@ -102,6 +102,34 @@ def _lru_used(row, used_by="threshold", threshold=0.0, top_k=1, **_):
     vals = sorted(row.values(), reverse=True)
     kth = vals[top_k - 1] if len(vals) >= top_k else -np.inf
     return [j for j, a in row.items() if a >= kth]
+
+
+def compress_reference(kind, A, keys, n, kept, n_sink=0, window=0, **opts):
+    """Compress mode for one row: after a prompt of n tokens (nothing evicted while it is
+    read), each head keeps its protected positions and then the best scores (ties keep the
+    later position), `kept` in all."""
+    K = A.shape[0]
+    state = [{} for _ in range(K)]
+    for k in range(K):
+        for j in range(n):
+            if kind == "h2o":
+                total = np.float32(0.0)
+                for i in range(j, n):
+                    total = np.float32(total + np.float32(A[k, i, j]))
+                state[k][j] = total
+            elif kind == "lru":
+                state[k][j] = j
+        if kind == "lru":
+            for i in range(n):
+                for j in _lru_used({j: np.float32(A[k, i, j]) for j in range(i + 1)}, **opts):
+                    state[k][j] = max(state[k][j], i)
+    out = []
+    for k in range(K):
+        prot = [j for j in range(n) if _protected(j, n - 1, n_sink, window)]
+        rest = sorted((j for j in range(n) if j not in prot),
+                      key=lambda j: (-_score(kind, A, keys, state, k, j, n - 1, **opts), -j))
+        out.append(sorted(prot + rest[:max(0, kept - len(prot))]))
+    return out
 
 
 def snapkv_pooled(A, k, n, window, kernel, pool):
@@ -270,70 +298,108 @@ def test_tova_layerwise_heads_agree():
     assert all(all(h == row[0] for h in row) for step in seen for row in step)
 
 
-def prefill_compress(policy, B, K, E, N, seed, steps):
-    """A seeded chunked prefill with padding through `policy`, then compress: (attention rows,
-    keys, compressed cache, prompt length per row)."""
+def prefill_compress(policy, B, K, E, N, seed, steps, extra=0):
+    """A seeded chunked prefill with padding through `policy`, then `compress(extra)`:
+    (attention rows, keys, compressed cache, prompt length per row)."""
     rng = np.random.default_rng(seed)
     plan = schedule(rng, B, steps, (1, 4))
     A, keys = synthetic(rng, B, K, N, E)
     _, chunks, cache = drive(layer_cache(policy, B, K, E, N), A, keys, plan)
-    return A, keys, compress_cache(cache), [sum(len(c) for c in chunks[b]) for b in range(B)]
+    return A, keys, cache.compress(extra), [sum(len(c) for c in chunks[b]) for b in range(B)]
+
+
+COMPRESS_CASES = [
+    ("h2o", {"n_sink": 1, "window": 2}),
+    ("tova", {}),
+    ("tova", {"window": 1, "per_head": True}),
+    ("lru", {"n_sink": 1, "window": 2, "used_by": "threshold", "threshold": 0.123}),
+    ("knorm", {"n_sink": 1, "window": 1}),
+]
+
+
+@pytest.mark.parametrize("name,opts", COMPRESS_CASES,
+                         ids=[f"{n}-{i}" for i, (n, _) in enumerate(COMPRESS_CASES)])
+def test_compress_selection_matches_reference(name, opts):
+    """Compress mode: a chunked prompt with padding, then one selection per head from the
+    scores after the whole prompt (kvpress's ScorerPress), kept = budget; then the cache grows
+    by every decoded token."""
+    B, K, E, budget, N = 2, 2, 4, 7, 40
+    policy = get_policy(name, budget=budget, mode="compress", **opts)
+    for seed in range(2):
+        A, keys, cache, lengths = prefill_compress(policy, B, K, E, N, seed, 9, extra=4)
+        assert cache.capacity == max(policy.kept(n) for n in lengths) + 4
+        after = kept_sets(cache)
+        for b in range(B):
+            want = compress_reference(name, A[b], keys[b], lengths[b], policy.kept(lengths[b]),
+                                      **opts)
+            assert after[b] == want, f"seed {seed} row {b} (prompt {lengths[b]})"
+        seen, _, _ = drive(cache, A, keys, [(1, np.ones(B, np.int64)) for _ in range(4)])
+        for step, got in enumerate(seen, start=1):
+            for b in range(B):
+                grown = [sorted(h + list(range(lengths[b], lengths[b] + step))) for h in after[b]]
+                assert got[b] == grown, f"seed {seed} row {b} decode {step}"
 
 
 @pytest.mark.parametrize("pool,kernel,window", [("max", 3, 3), ("avg", 5, 2)])
 def test_snapkv_compress_matches_reference(pool, kernel, window):
-    """Chunked prefill with padding (collect), compress, then decode slides the unpinned part."""
+    """Chunked prefill with padding (observe), compress, then decode grows the cache."""
     B, K, E, budget, N = 2, 2, 4, 8, 40
     policy = get_policy("snapkv", budget=budget, window=window, kernel=kernel, pool=pool)
     for seed in range(2):
-        A, keys, cache, lengths = prefill_compress(policy, B, K, E, N, seed, 9)
-        assert cache.capacity == budget
+        A, keys, cache, lengths = prefill_compress(policy, B, K, E, N, seed, 9, extra=6)
+        assert cache.capacity == budget + 6
         after = kept_sets(cache)
         for b in range(B):
             want = snapkv_reference(A[b], lengths[b], budget, window, kernel, pool)
             assert after[b] == want, f"seed {seed} row {b} (prompt {lengths[b]})"
-        pinned = [[[p for p in h if p < lengths[b] - window] for h in after[b]] for b in range(B)]
-        decode = [(1, np.ones(B, np.int64)) for _ in range(6)]
-        seen, _, _ = drive(cache, A, keys, decode)
+        seen, _, _ = drive(cache, A, keys, [(1, np.ones(B, np.int64)) for _ in range(6)])
         for step, got in enumerate(seen, start=1):
             for b in range(B):
-                n = lengths[b] + step
-                for k in range(K):
-                    free = budget - len(pinned[b][k])
-                    want = sorted(set(pinned[b][k]) | set(range(max(0, n - free), n)))
-                    assert got[b][k] == want, f"seed {seed} row {b} head {k} decode {step}"
+                grown = [sorted(h + list(range(lengths[b], lengths[b] + step))) for h in after[b]]
+                assert got[b] == grown, f"seed {seed} row {b} decode {step}"
+
+
+def test_snapkv_head_averaged_selection():
+    """per_head=False: every kv head keeps the positions SnapKV picks from the attention
+    averaged over the kv heads."""
+    B, K, E, budget, N, window = 2, 3, 4, 8, 40, 3
+    policy = get_policy("snapkv", budget=budget, window=window, kernel=3, per_head=False)
+    A, _, cache, lengths = prefill_compress(policy, B, K, E, N, 0, 9)
+    after = kept_sets(cache)
+    for b in range(B):
+        mean = A[b].mean(axis=0, keepdims=True)  # the heads' mean, then pooled
+        want = snapkv_reference(mean, lengths[b], budget, window, 3, "max")[0]
+        assert after[b] == [want] * K, f"row {b}"
+        assert len({tuple(h) for h in kept_sets(prefill_compress(
+            get_policy("snapkv", budget=budget, window=window, kernel=3), B, K, E, N, 0,
+            9)[2])[b]}) > 1  # per head they differ on this data
 
 
 @pytest.mark.parametrize("pool,kernel,window,floor", [("max", 3, 3, 0.0), ("avg", 5, 2, 0.0),
                                                      ("max", 3, 2, 0.5)])
 def test_adasnapkv_compress_matches_reference(pool, kernel, window, floor):
     """Chunked prefill with padding, compress into the head pool: each head's entries are the
-    reference's; then decode slides every head's unpinned window."""
-    B, K, E, budget, N = 2, 3, 4, 6, 40
+    reference's; then decode grows every head by its new token."""
+    B, K, E, budget, N, extra = 2, 3, 4, 6, 40, 6
     policy = get_policy("adasnapkv", budget=budget, window=window, kernel=kernel, pool=pool,
                         floor=floor)
     for seed in range(2):
-        A, _, cache, lengths = prefill_compress(policy, B, K, E, N, seed, 12)
-        assert cache.capacity == budget and cache.pos.shape[-1] == K * budget
-        assert max(lengths) > budget  # the pool is full and decode evicts
+        A, _, cache, lengths = prefill_compress(policy, B, K, E, N, seed, 12, extra=extra)
+        assert cache.pos.shape[-1] == K * (budget + extra)
+        assert max(lengths) > budget  # the selection drops entries
         after = pool_sets(cache)
         for b in range(B):
             want = adasnapkv_reference(A[b], lengths[b], budget, window, kernel, pool, floor)
             assert after[b] == want, f"seed {seed} row {b} (prompt {lengths[b]})"
-        pinned = [[[p for p in h if p < lengths[b] - window] for h in after[b]] for b in range(B)]
-        P = K * budget
-        for step in range(1, 7):
+        P = cache.pos.shape[-1]
+        for step in range(1, extra + 1):
             pos_new = jnp.asarray([[n + step - 1] for n in lengths], jnp.int32)  # [B, 1]
             cache = policy_step(cache, jnp.zeros((B, 1, K, E)), pos_new,
                                 jnp.zeros((B, K, 1, P + 1)))
             got = pool_sets(cache)
             for b in range(B):
-                n = lengths[b] + step
-                for k in range(K):
-                    if lengths[b] > budget:  # a full pool: every head's window slides
-                        want = sorted(set(pinned[b][k]) | set(range(n - min(window, n), n)))
-                        assert got[b][k] == want, f"seed {seed} row {b} head {k} decode {step}"
-                    assert n - 1 in got[b][k]
+                assert got[b] == [sorted(h + list(range(lengths[b], lengths[b] + step)))
+                                  for h in after[b]], f"seed {seed} row {b} decode {step}"
 
 
 def pool_sets(cache, layer=0):
@@ -361,8 +427,8 @@ class Recorded(Policy):
     def validate(self, max_len):
         self.inner.validate(max_len)
 
-    def init_stats(self, B, K, C):
-        return self.inner.init_stats(B, K, C)
+    def cache_stats(self, B, K, C):
+        return self.inner.cache_stats(B, K, C)
 
     def rope_positions(self, view, pos_new):
         return self.inner.rope_positions(view, pos_new)
@@ -446,7 +512,7 @@ def test_snapkv_end_to_end_through_the_model():
     policy = get_policy("snapkv", budget=budget, window=window, kernel=3, pool="max")
     lengths = [22, 15]
     cfg, cache, records = run_recorded(policy, 22, lengths=lengths)
-    cache = compress_cache(cache.replace(policy=policy))
+    cache = cache.replace(policy=policy).compress()
     assert cache.capacity == budget
     got = np.asarray(cache.pos)
     for layer in range(cfg.n_layers):

@@ -15,7 +15,7 @@ from kvjax.experiment import ModelSpec, load
 from kvjax.formats import get_format
 from kvjax.policies import get_policy
 from kvjax.tasks import TASKS, TaskContext, get_task
-from kvjax.tasks.base import bar, chat_frame, contains_answer, effective_chunk, nll_chunk
+from kvjax.tasks.base import bar, chat_frame, contains_answer, nll_chunk
 from kvjax.tasks.needle import needle_prompt
 from kvjax.tasks.passkey import KEY, passkey_prompt
 from kvjax.tasks.text import CharTokenizer, default_text, encode_prefix, load_text, sha256_text
@@ -85,20 +85,16 @@ def test_perplexity_matches_one_shot_forward_for_any_chunk(tiny):
     assert 2.0 < np.exp(want.mean()) < 200.0  # a random 64-token model: about uniform
 
 
-def test_perplexity_with_eviction_differs_and_chunk_is_clamped(tiny):
+def test_perplexity_with_eviction_differs(tiny):
     window = ctx_for(tiny, "window", budget=16)
     res = get_task("perplexity", length=64, chunk=16).run(window)
     full = get_task("perplexity", length=64, chunk=16).run(ctx_for(tiny))
     assert res.cache.capacity == 16
     assert not np.allclose(res.arrays["nll"][20:], full.arrays["nll"][20:])
     np.testing.assert_allclose(res.arrays["nll"][:16], full.arrays["nll"][:16], atol=2e-5)
-
-    class Tight:  # a policy that can place at most 8 new tokens per update
-        def max_chunk(self, max_len):
-            return 8
-
-    assert effective_chunk(128, Tight(), 64, 64) == 8
-    assert effective_chunk(128, get_policy("full"), 64, 40) == 40
+    assert res.metrics["chunk_used"] == 16  # never clamped: a chunk longer than the cache works
+    big = get_task("perplexity", length=64, chunk=64).run(window)
+    assert big.metrics["chunk_used"] == 64 and big.cache.capacity == 16
 
 
 def test_agreement_full_vs_itself_and_vs_bf16(tiny):
@@ -186,7 +182,20 @@ def test_progress_bar_is_quiet_without_a_terminal(tiny):
     assert bar(range(3), dataclasses.replace(ctx, progress=False), "x").disable
 
 
-def test_prefill_only_policy_is_compressed_after_the_prompt(tiny):
+def test_compress_mode_policy_is_compressed_after_the_prompt(tiny):
     ctx = ctx_for(tiny, "snapkv", max_len=420, budget=48, window=16)
     res = get_task("passkey", length=400, n_samples=1, new_tokens=8, chunk=128).run(ctx)
-    assert res.cache.capacity == 48  # compress ran between prefill and decode
+    assert res.cache.capacity == 48 + 8  # the selection, then room for the answer
+    assert (np.asarray(res.cache.pos) >= 0).sum(-1).max() == 48 + 8
+
+
+def test_prefill_reads_the_whole_prompt_by_default(tiny):
+    """chunk=None (the default) feeds each prompt in one forward: an evict-mode policy then
+    scores the whole prompt before it evicts, unlike a chunked prefill that evicts at every
+    boundary (the difference the docs promise)."""
+    ctx = ctx_for(tiny, "h2o", max_len=420, budget=48, window=8)
+    task = get_task("passkey", length=400, n_samples=1, new_tokens=2)
+    assert task.chunk is None
+    whole = task.run(ctx).cache
+    chunked = dataclasses.replace(task, chunk=64).run(ctx).cache
+    assert not np.array_equal(np.asarray(whole.pos), np.asarray(chunked.pos))

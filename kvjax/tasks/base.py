@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from kvjax.cache import KVCache
 from kvjax.config import ModelConfig
-from kvjax.generate import generate
+from kvjax.generate import generate, generate_many
 from kvjax.model import forward
 
 TASKS: dict[str, type[Task]] = {}
@@ -90,6 +90,11 @@ class Task:
 
     def run(self, ctx: TaskContext) -> TaskResult:
         raise NotImplementedError
+
+    def run_many(self, ctx: TaskContext, policies) -> list[TaskResult]:
+        """One result per policy (the context's policy replaced). Prompt tasks override it to
+        read each prompt once for every compress-mode policy (`generate_many`)."""
+        return [self.run(dataclasses.replace(ctx, policy=p)) for p in policies]
 
 
 def check_positive(task: Task, **values) -> None:
@@ -161,11 +166,16 @@ def chunked(ids: Sequence[int], chunk: int):
 
 
 def greedy_generate(ctx: TaskContext, prompts: Sequence[Sequence[int]], new_tokens: int,
-                    chunk: int | None):
-    """`kvjax.generate.generate` greedily under the context's policy, format and layout:
-    (tokens [B, new_tokens] numpy, final cache)."""
-    return generate(ctx.params, ctx.cfg, prompts, new_tokens, ctx.policy, ctx.fmt,
-                    max_len=ctx.max_len, chunk=chunk, layout=ctx.layout)
+                    chunk: int | None, policies=None):
+    """Greedy answers under each policy (default: the context's), format and layout:
+    [(tokens [B, new_tokens] numpy, final cache)], one per policy. Several policies share one
+    prefill (`kvjax.generate.generate_many`); one runs `kvjax.generate.generate`."""
+    if policies is None or len(policies) == 1:
+        policy = ctx.policy if policies is None else policies[0]
+        return [generate(ctx.params, ctx.cfg, prompts, new_tokens, policy, ctx.fmt,
+                         max_len=ctx.max_len, chunk=chunk, layout=ctx.layout)]
+    return generate_many(ctx.params, ctx.cfg, prompts, new_tokens, policies, ctx.fmt,
+                         max_len=ctx.max_len, chunk=chunk, layout=ctx.layout)
 
 
 def chat_frame(tokenizer) -> tuple[list[int], list[int]]:

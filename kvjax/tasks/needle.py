@@ -107,24 +107,28 @@ class Needle(RetrievalTask):
             self.cell_prompts(tokenizer, haystack, seed, j)
 
     def run(self, ctx: TaskContext) -> TaskResult:
+        return self.run_many(ctx, [ctx.policy])[0]
+
+    def run_many(self, ctx: TaskContext, policies) -> list[TaskResult]:
         haystack = encode_prefix(ctx.tokenizer, ctx.text, max(self.lengths))
-        acc = np.zeros((len(self.depths), len(self.lengths)))
-        rows, cache = [], None
+        acc = np.zeros((len(policies), len(self.depths), len(self.lengths)))
+        rows, caches = [[] for _ in policies], [None] * len(policies)
         for j, length in enumerate(bar(self.lengths, ctx, f"needle ({ctx.policy.name})")):
             cells = self.cells()
             keys, prompts = self.cell_prompts(ctx.tokenizer, haystack, ctx.seed, j)
-            out, cache = greedy_generate(ctx, prompts, self.new_tokens, self.chunk)
-            for (i, d, s), k, toks in zip(cells, keys, out):
-                answer = ctx.tokenizer.decode(toks, skip_special_tokens=True)
-                ok = contains_answer(answer, k)
-                acc[i, j] += ok / self.n_samples
-                rows.append({"length": length, "depth": d, "sample": s, "key": k,
-                             "answer": answer, "correct": ok})
-        return TaskResult(
-            metrics={"accuracy": float(acc.mean()),
+            outs = greedy_generate(ctx, prompts, self.new_tokens, self.chunk, policies)
+            for p, (out, caches[p]) in enumerate(outs):
+                for (i, d, s), k, toks in zip(cells, keys, out):
+                    answer = ctx.tokenizer.decode(toks, skip_special_tokens=True)
+                    ok = contains_answer(answer, k)
+                    acc[p, i, j] += ok / self.n_samples
+                    rows[p].append({"length": length, "depth": d, "sample": s, "key": k,
+                                    "answer": answer, "correct": ok})
+        return [TaskResult(
+            metrics={"accuracy": float(acc[p].mean()),
                      "grid": {"depths": list(self.depths), "lengths": list(self.lengths),
-                              "accuracy": acc.tolist()},
+                              "accuracy": acc[p].tolist()},
                      "n_samples": self.n_samples},
-            rows=rows,
-            cache=cache,
-        )
+            rows=rows[p],
+            cache=caches[p],
+        ) for p in range(len(policies))]

@@ -86,9 +86,15 @@ class Passkey(RetrievalTask):
         self.prompts(tokenizer, self.keys(seed))
 
     def run(self, ctx: TaskContext) -> TaskResult:
+        return self.run_many(ctx, [ctx.policy])[0]
+
+    def run_many(self, ctx: TaskContext, policies) -> list[TaskResult]:
         keys = self.keys(ctx.seed)
         prompts = self.prompts(ctx.tokenizer, keys)
-        out, cache = greedy_generate(ctx, prompts, self.new_tokens, self.chunk)
+        return [self.score(ctx, keys, out, cache) for out, cache in
+                greedy_generate(ctx, prompts, self.new_tokens, self.chunk, policies)]
+
+    def score(self, ctx: TaskContext, keys, out, cache) -> TaskResult:
         rows = []
         for i, (k, toks) in enumerate(zip(keys, out)):
             answer = ctx.tokenizer.decode(toks, skip_special_tokens=True)
