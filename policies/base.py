@@ -122,6 +122,11 @@ class Policy:
         """Return (slots [B, K, T] int32, new stats). Override in each policy."""
         raise NotImplementedError
 
+    def page_rule(self) -> PageRule | None:
+        """What the paged layout can serve of this policy (`PageRule`), or None (the default):
+        pages hold every kv head, so only position-based, page-granular eviction maps onto them."""
+        return None
+
 
 def broadcast_new(pos_new, K: int):
     """[B, T] chunk positions -> [B, K, T] (the same tokens arrive in every kv head)."""
@@ -307,3 +312,19 @@ def rebuild(cache, policy, capacity: int):
             jax.tree.map(lambda s: jnp.zeros((L,) + s.shape, s.dtype), stats0))
     (k, v, pos, stats), _ = jax.lax.scan(body, init, jnp.arange(L, dtype=jnp.int32))
     return cache.replace(k=k, v=v, pos=pos, stats=stats, policy=policy)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageRule:
+    """A policy's eviction as the paged layout (kvjax/paged.py) runs it, page by page.
+
+    After each forward call a row keeps the pages holding its first `sinks` tokens and every
+    page holding one of its last `window` tokens (window None: every page, no eviction).
+    `rope_in_cache`: queries and keys are rotated at their positions within the cache
+    (StreamingLLM's rope="cache"); the layout keeps keys rotated at absolute positions, which
+    leaves the recent keys' position differences unchanged, and re-rotates the kept sink pages
+    by the evicted count when it reads them."""
+
+    window: int | None = None
+    sinks: int = 0
+    rope_in_cache: bool = False

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import Policy, broadcast_new, register
+from kvjax.policies.base import PageRule, Policy, broadcast_new, register
 
 
 @register
@@ -31,3 +31,7 @@ class Full(Policy):
         C = view.pos.shape[-1]
         ok = (pos_new >= 0) & (pos_new < C)
         return broadcast_new(jnp.where(ok, pos_new, C), view.pos.shape[1]), view.stats
+
+    def page_rule(self) -> PageRule:
+        """On pages: every page is kept."""
+        return PageRule()

@@ -13,7 +13,15 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import Policy, check_choice, check_counts, evict, protect, register
+from kvjax.policies.base import (
+    PageRule,
+    Policy,
+    check_choice,
+    check_counts,
+    evict,
+    protect,
+    register,
+)
 
 ROPE_MODES = ("cache", "original")
 
@@ -55,3 +63,10 @@ class Streaming(Policy):
         slots = evict(view, pos_new, zeros, jnp.zeros(protected_new.shape), protected,
                       protected_new)
         return slots, view.stats
+
+    def page_rule(self) -> PageRule:
+        """On pages: the sink pages and the pages holding the last budget - n_sink tokens."""
+        if self.budget is None:
+            return PageRule()
+        return PageRule(window=self.budget - self.n_sink, sinks=self.n_sink,
+                        rope_in_cache=self.rope == "cache")

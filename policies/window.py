@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import Policy, broadcast_new, register
+from kvjax.policies.base import PageRule, Policy, broadcast_new, register
 
 
 @register
@@ -23,3 +23,7 @@ class Window(Policy):
         newest = jnp.max(pos_new, axis=-1, keepdims=True)  # [B, 1]
         keep = (pos_new >= 0) & (pos_new > newest - C)  # tokens of a long chunk that survive it
         return broadcast_new(jnp.where(keep, pos_new % C, C), view.pos.shape[1]), view.stats
+
+    def page_rule(self) -> PageRule:
+        """On pages: the pages holding the last `budget` tokens."""
+        return PageRule(window=self.budget)
