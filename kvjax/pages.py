@@ -87,8 +87,8 @@ class PagedKVCache:
     lengths: jax.Array
     refcount: jax.Array
     preempted: jax.Array
-    k_codec: PageCodec = struct.field(pytree_node=False, default=None)
-    v_codec: PageCodec = struct.field(pytree_node=False, default=None)
+    k_codec: PageCodec = struct.field(pytree_node=False)
+    v_codec: PageCodec = struct.field(pytree_node=False)
 
     @classmethod
     def init(
