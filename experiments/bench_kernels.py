@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.formats import QuantPages, get_format
 from kvjax.kernels import paged_attention as pa
 
 H200_TBPS = 4.8
@@ -49,6 +50,12 @@ def kv_bytes_per_token(kind: str, K: int, E: int, group: int = 32) -> int:
     return 2 * K * per[kind]
 
 
+def page_codec(kind: str, E: int):
+    """The page codec of format `kind` (int4: per-token groups of min(32, E))."""
+    options = {"group": min(32, E), "key_mode": "token"} if kind == "int4" else {}
+    return get_format(kind, **options).page_codec("k")
+
+
 def make_inputs(seed, kind, B, ctx, K, G, E, page, ragged=False, q_dtype=jnp.bfloat16):
     """Pages for B rows of `ctx` tokens in a randomly permuted pool (+ a few spare pages)."""
     rng = np.random.default_rng(seed)
@@ -61,7 +68,7 @@ def make_inputs(seed, kind, B, ctx, K, G, E, page, ragged=False, q_dtype=jnp.bfl
 
     def pool(k):
         x = jax.random.normal(k, (K, P, page, E), jnp.float32)
-        return pa.quantize_pages(x, kind, group=min(32, E))
+        return page_codec(kind, E).encode(x)
 
     q = jax.random.normal(k3, (B, K * G, E), jnp.float32).astype(q_dtype)
     return q, pool(k1), pool(k2), jnp.asarray(bt), jnp.asarray(lengths, jnp.int32)
@@ -182,7 +189,7 @@ def _upstream(interpret, M):
 
     def fn(q, kp, vp, bt, ln):
         ks = vs = None
-        if isinstance(kp, pa.QuantPages):
+        if isinstance(kp, QuantPages):
             kp, ks = kp.q, kp.scale[..., 0]
             vp, vs = vp.q, vp.scale[..., 0]
         return upstream.paged_attention(

@@ -11,7 +11,7 @@
    and generate 128. Unshared: each row stores the prompt; shared: row 0 prefills it and the
    others share its pages (copy-on-write on the partial last page).
 
-Page counts come from running kvjax.paged's allocator (jitted reserve/write/advance/free) on a
+Page counts come from running kvjax.pages' allocator (jitted reserve/write/advance/free) on a
 small-headed pool; bytes are pages x the bytes of one page of a SmolLM2-135M pool (L=30, K=3,
 E=64) in that storage format, read from the pool's buffer shapes and dtypes (jax.eval_shape),
 plus the block tables and refcounts. Contiguous bytes are those of a dense [L, B, K, max_len, E]
@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import paged
-from kvjax.kernels.paged_attention import quantize_pages
+from kvjax import pages
+from kvjax.formats import get_format
 
 L, K, E = 30, 3, 64  # SmolLM2-135M
 MAX_LEN = 2048
@@ -41,16 +41,21 @@ def _nbytes(tree) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def page_format(kind: str):
+    """The format `kind` as pages store it (int4: per-token groups of 32)."""
+    return get_format(kind, **({"group": 32, "key_mode": "token"} if kind == "int4" else {}))
+
+
 def page_bytes(page: int, kind: str) -> int:
     """Bytes of one page (k and v, all layers and kv heads) of a SmolLM2 pool."""
-    pool = jax.eval_shape(lambda: paged.PagedKVCache.init(L, K, E, 1, 4, page, page, kind))
+    fmt = page_format(kind)
+    pool = jax.eval_shape(lambda: pages.PagedKVCache.init(L, K, E, 1, 4, page, page, fmt))
     return _nbytes((pool.k, pool.v)) // 4
 
 
 def token_bytes(kind: str) -> int:
     """Bytes of one token (k and v, all layers and kv heads) of a dense store."""
-    dense = jax.eval_shape(lambda: quantize_pages(jnp.zeros((L, 1, K, 1, E)), kind))
-    return 2 * _nbytes(dense)
+    return 2 * page_format(kind).page_codec("k").nbytes((L, 1, K, 1, E))
 
 
 def workload(seed=0):
@@ -61,27 +66,27 @@ def workload(seed=0):
 
 
 def _small(batch, num_pages, page, max_len=MAX_LEN):
-    return paged.PagedKVCache.init(1, 1, 2, batch, num_pages, page, max_len, "f32")
+    return pages.PagedKVCache.init(1, 1, 2, batch, num_pages, page, max_len, get_format("f32"))
 
 
 @jax.jit
 def _decode(cache, active):
-    cache, g = paged.reserve(cache, active.astype(jnp.int32))
-    cache = paged.write(
+    cache, g = pages.reserve(cache, active.astype(jnp.int32))
+    cache = pages.write(
         cache, 0, jnp.ones((active.shape[0], 1, 1, 2)), jnp.ones((active.shape[0], 1, 1, 2)), g
     )
-    return paged.advance(cache, g), g
+    return pages.advance(cache, g), g
 
 
 @jax.jit
 def _prefill(cache, n):
     chunk = jnp.ones((n.shape[0], 1024, 1, 2))
-    cache, g = paged.reserve(cache, n)
-    cache = paged.write(cache, 0, chunk, chunk, g)
-    return paged.advance(cache, g), g
+    cache, g = pages.reserve(cache, n)
+    cache = pages.write(cache, 0, chunk, chunk, g)
+    return pages.advance(cache, g), g
 
 
-_free = jax.jit(paged.free)
+_free = jax.jit(pages.free)
 
 
 def continuous_batching(page: int):
@@ -114,13 +119,13 @@ def continuous_batching(page: int):
         if done.any():
             cache = _free(cache, jnp.asarray(done))
             req[done] = -1
-    assert paged.invariant_errors(cache) == []
+    assert pages.invariant_errors(cache) == []
     return np.array(trace), cache
 
 
-def waste_table(kinds=("bf16", "int4"), pages=(8, 16, 32, 64)):
+def waste_table(kinds=("bf16", "int4"), page_sizes=(8, 16, 32, 64)):
     rows = []
-    for page in pages:
+    for page in page_sizes:
         t0 = time.perf_counter()
         trace, cache = continuous_batching(page)
         tokens, active, used = trace.T.astype(float)
@@ -149,9 +154,9 @@ def waste_table(kinds=("bf16", "int4"), pages=(8, 16, 32, 64)):
 @jax.jit
 def _append_rows(cache, n):
     chunk = jnp.ones((n.shape[0], 1024, 1, 2))
-    cache, g = paged.reserve(cache, n)
-    cache = paged.write(cache, 0, chunk, chunk, g)
-    return paged.advance(cache, g), g
+    cache, g = pages.reserve(cache, n)
+    cache = pages.write(cache, 0, chunk, chunk, g)
+    return pages.advance(cache, g), g
 
 
 def prefix_sharing(n_req: int, page: int, system: int = 1000, seed: int = 0):
@@ -166,13 +171,13 @@ def prefix_sharing(n_req: int, page: int, system: int = 1000, seed: int = 0):
             first = np.zeros(n_req, np.int32)
             first[0] = system
             cache, _ = _append_rows(cache, jnp.asarray(first))
-            cache = paged.share_prefix(cache, 0, jnp.arange(n_req) > 0)
+            cache = pages.share_prefix(cache, 0, jnp.arange(n_req) > 0)
         else:
             cache, _ = _append_rows(cache, jnp.full((n_req,), system, jnp.int32))
         cache, _ = _append_rows(cache, jnp.asarray(user, jnp.int32))
         for _ in range(gen):
             cache, _ = _decode(cache, jnp.ones((n_req,), bool))
-        assert paged.invariant_errors(cache) == []
+        assert pages.invariant_errors(cache) == []
         out[share] = int(np.sum(np.asarray(cache.refcount) > 0))
     return out[False], out[True], int(np.sum(user)) + n_req * (system + gen)
 

@@ -3,12 +3,14 @@
 One query token per sequence attends over that sequence's pages, found through its block table.
 Each program handles all G query heads of one kv head (GQA) for one row and one split of the
 row's pages (split-K); an online softmax runs over blocks of `pages_per_block` pages inside the
-program and a log-sum-exp combine merges the splits. Pages may be stored as f32/bf16 or in
-kvjax's quantized layouts, dequantized inside the kernel:
+program and a log-sum-exp combine merges the splits.
 
-    int8  QuantPages(q=int8 [..., E], scale=[..., 1])                    x ≈ q·scale
-    int4  QuantPages(q=uint8 [..., E//2], scale=[..., E//g], zero=[..., E//g])   x ≈ q·scale + zero
-          (byte i holds element 2i in the low nibble and 2i+1 in the high nibble)
+The kernel takes ready-made pages (a format's page codec encodes them, `kvjax.formats`): float
+arrays, or `QuantPages` dequantized inside the kernel by their static `bits` and zero point:
+
+    bits 8, no zero   q=int8 [..., E], scale=[..., 1]                        x ≈ q·scale
+    bits 4, zero      q=uint8 [..., E//2], scale, zero=[..., E//g]           x ≈ q·scale + zero
+                      (byte i holds element 2i in the low nibble and 2i+1 in the high nibble)
 
 with `...` = [L, K, P, page] (or [K, P, page] for a single layer) and scales in float16/bfloat16.
 
@@ -22,13 +24,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+
+from kvjax.formats import QuantPages, decode_pages
 
 try:
     from jax.experimental.pallas import triton as _pltriton
@@ -39,14 +42,7 @@ NO_PAGE = -1
 VALID_PAGE_SIZES = (8, 16, 32, 64, 128, 256)
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT = 16  # Triton's tl.dot needs every matmul dim >= 16
-
-
-class QuantPages(NamedTuple):
-    """Quantized pages: int8 codes + per-token scale, or packed int4 codes + group scale/zero."""
-
-    q: jax.Array  # int8 [..., E] or uint8 [..., E//2]
-    scale: jax.Array  # [..., 1] (int8) or [..., E//g] (int4), float16/bfloat16
-    zero: jax.Array | None = None  # [..., E//g] (int4 only)
+KERNEL_CODES = (None, (8, False), (4, True))  # `_codes` of the page stores the kernel reads
 
 
 def _is_pow2(n: int) -> bool:
@@ -57,108 +53,35 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def pages_kind(pages) -> str:
-    """'float', 'int8' or 'int4' for a page store."""
+def _codes(pages):
+    """The static numbers the kernel dequantizes a page store by: None for float pages, else
+    (bits, has a zero point) of `QuantPages`."""
     if isinstance(pages, QuantPages):
-        if pages.q.dtype == jnp.int8:
-            return "int8"
-        if pages.q.dtype == jnp.uint8 and pages.zero is not None:
-            return "int4"
-        raise ValueError(
-            f"QuantPages with q of dtype {pages.q.dtype} (zero given: {pages.zero is not None}) "
-            "is neither int8 (int8 codes, scale) nor int4 (uint8 packed codes, scale, zero)"
-        )
+        return pages.bits, pages.zero is not None
     if jnp.issubdtype(pages.dtype, jnp.floating):
-        return "float"
+        return None
     raise ValueError(
-        f"pages of dtype {pages.dtype}: pass float pages or QuantPages(q, scale[, zero])"
+        f"pages of dtype {pages.dtype}: pass float pages or kvjax.formats.QuantPages "
+        "(a format's page codec encodes them)"
     )
 
 
 def pages_head_dim(pages) -> int:
-    """Logical head dim E of a page store (packed int4 holds E//2 bytes per token)."""
-    if pages_kind(pages) == "int4":
-        return 2 * pages.q.shape[-1]
-    return (pages.q if isinstance(pages, QuantPages) else pages).shape[-1]
-
-
-# --------------------------------------------------------------------------- quantization
-# The per-token layouts of kvjax.formats (int8 symmetric, int4 asymmetric groupwise), for pages.
-
-
-def _formats():
-    """kvjax.formats when it provides the per-token quantizers (same layout), else None."""
-    try:
-        from kvjax import formats
-    except ImportError:
-        return None
-    ok = all(hasattr(formats, f) for f in ("quantize_int8", "quantize_per_token"))
-    return formats if ok else None
-
-
-def quantize_pages(x, kind: str, group: int = 32, scale_dtype=jnp.float16):
-    """Encode x [..., E] as 'f32' | 'bf16' | 'int8' | 'int4' pages (int4: groups of `group`).
-
-    Uses kvjax.formats' quantizers (float16 scales rounded in the safe direction) when present;
-    the local fallback follows the same layout.
-    """
-    if kind == "f32":
-        return x.astype(jnp.float32)
-    if kind == "bf16":
-        return x.astype(jnp.bfloat16)
-    x = x.astype(jnp.float32)
-    fmt = _formats() if scale_dtype == jnp.float16 else None
-    if fmt is not None and kind == "int8":
-        d = fmt.quantize_int8(x)
-        return QuantPages(d["q"], d["scale"])
-    if fmt is not None and kind == "int4":
-        d = fmt.quantize_per_token(x, 4, group)
-        return QuantPages(d["q"], d["scale"], d["zero"])
-    if kind == "int8":
-        scale = (jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0).astype(scale_dtype)
-        s = scale.astype(jnp.float32)  # [..., 1]
-        q = jnp.round(x / jnp.where(s > 0, s, 1.0))
-        return QuantPages(jnp.clip(q, -127, 127).astype(jnp.int8), scale)
-    if kind == "int4":
-        E = x.shape[-1]
-        if E % group or group % 2:
-            raise ValueError(f"int4 pages need an even group dividing E={E}, got group={group}")
-        xg = x.reshape(*x.shape[:-1], E // group, group)  # [..., E/g, g]
-        lo, hi = xg.min(-1), xg.max(-1)  # [..., E/g]
-        scale = ((hi - lo) / 15.0).astype(scale_dtype)
-        zero = lo.astype(scale_dtype)
-        s, z = scale.astype(jnp.float32)[..., None], zero.astype(jnp.float32)[..., None]
-        q = jnp.clip(jnp.round((xg - z) / jnp.where(s > 0, s, 1.0)), 0, 15)
-        q = q.reshape(*x.shape).astype(jnp.uint8)  # [..., E]
-        packed = q[..., 0::2] | (q[..., 1::2] << 4)  # [..., E/2]
-        return QuantPages(packed.astype(jnp.uint8), scale, zero)
-    raise ValueError(f"unknown page kind {kind!r}; choose one of 'f32', 'bf16', 'int8', 'int4'")
-
-
-def dequantize_pages(pages) -> jax.Array:
-    """Decode a page store to float32 [..., E]."""
-    kind = pages_kind(pages)
-    if kind == "float":
-        return pages.astype(jnp.float32)
-    if kind == "int8":
-        return pages.q.astype(jnp.float32) * pages.scale.astype(jnp.float32)
-    c = pages.q.astype(jnp.int32)  # [..., E/2]
-    q = jnp.stack([c & 15, c >> 4], axis=-1).reshape(*c.shape[:-1], 2 * c.shape[-1])  # [..., E]
-    E, n_groups = q.shape[-1], pages.scale.shape[-1]
-    qg = q.astype(jnp.float32).reshape(*q.shape[:-1], n_groups, E // n_groups)  # [..., E/g, g]
-    x = qg * pages.scale.astype(jnp.float32)[..., None] + pages.zero.astype(jnp.float32)[..., None]
-    return x.reshape(q.shape)
+    """Logical head dim E of a page store (packed codes hold E * bits / 8 bytes per token)."""
+    return pages.head_dim if isinstance(pages, QuantPages) else pages.shape[-1]
 
 
 # --------------------------------------------------------------------------- kernel
 
 
-def _load_tile(refs, kind, layer, head, ids, block_k, dtype):
-    """Gather ppb pages of one kv head: (tile [block_k, E] in `dtype`, per-token scale or None)."""
-    if kind == "float":
+def _load_tile(refs, codes, layer, head, ids, block_k, dtype):
+    """Gather ppb pages of one kv head: (tile [block_k, E] in `dtype`, per-token scale or None).
+    codes: `_codes` of the store (None: float; (8, False): int8 codes with a per-token scale,
+    applied by the caller; (4, True): packed nibbles with group scale and zero)."""
+    if codes is None:
         x = refs[0][layer, head, ids]  # [ppb, page, E]
         return x.reshape(block_k, x.shape[-1]).astype(dtype), None
-    if kind == "int8":
+    if codes == (8, False):
         c = refs[0][layer, head, ids]  # [ppb, page, E]
         s = refs[1][layer, head, ids]  # [ppb, page, 1]
         c = c.reshape(block_k, c.shape[-1]).astype(jnp.float32).astype(dtype)
@@ -186,8 +109,8 @@ def _paged_kernel(
     bt_ref,
     q_ref,
     *refs,
-    k_kind,
-    v_kind,
+    k_codes,
+    v_codes,
     nk,
     nv,
     page,
@@ -224,7 +147,7 @@ def _paged_kernel(
         tok = p0 * page + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, block_k]
         mask = ok_tok & (tok < length)  # [1, block_k]
 
-        k, k_scale = _load_tile(k_refs, k_kind, layer, h, ids, block_k, dtype)  # [block_k, E]
+        k, k_scale = _load_tile(k_refs, k_codes, layer, h, ids, block_k, dtype)  # [block_k, E]
         s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
         s = s * sm_scale  # [Gp, block_k]
         if k_scale is not None:
@@ -237,7 +160,7 @@ def _paged_kernel(
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # [Gp, block_k]
         l_new = corr * l + p.sum(axis=-1)
 
-        v, v_scale = _load_tile(v_refs, v_kind, layer, h, ids, block_k, dtype)  # [block_k, E]
+        v, v_scale = _load_tile(v_refs, v_codes, layer, h, ids, block_k, dtype)  # [block_k, E]
         if v_scale is not None:
             p = jnp.where(mask, p * v_scale, 0.0)
         v = jnp.where(mask.reshape(block_k, 1), v, jnp.zeros_like(v))
@@ -328,18 +251,24 @@ def _check_static(q, k_pages, v_pages, block_tables, lengths, ppb, block_g, inte
     K, page = lead[-3], lead[-1]
     check_page_size(page)
     for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
-        kind, e = pages_kind(pages), pages_head_dim(pages)
+        codes, e = _codes(pages), pages_head_dim(pages)
+        if codes not in KERNEL_CODES:
+            raise ValueError(
+                f"{name}: QuantPages with bits={codes[0]} and zero point {codes[1]} cannot be read "
+                "by the kernel; it dequantizes 8-bit codes with one scale per token (no zero) and "
+                "4-bit packed codes with group scale and zero"
+            )
         if e != E:
             raise ValueError(f"{name} hold head dim {e}, q has E={E}")
-        if kind == "int4":
+        if codes == (4, True):
             n_groups = pages.scale.shape[-1]
             if E % n_groups or pages.zero.shape != pages.scale.shape or (E // n_groups) % 2:
                 raise ValueError(
-                    f"{name}: int4 scale/zero {pages.scale.shape}/{pages.zero.shape} must hold "
+                    f"{name}: 4-bit scale/zero {pages.scale.shape}/{pages.zero.shape} must hold "
                     f"E/g groups of an even size g for E={E}"
                 )
-        if kind == "int8" and pages.scale.shape[-1] != 1:
-            raise ValueError(f"{name}: int8 scale must be [..., 1], got {pages.scale.shape}")
+        if codes == (8, False) and pages.scale.shape[-1] != 1:
+            raise ValueError(f"{name}: 8-bit scale must be [..., 1], got {pages.scale.shape}")
     if H % K:
         raise ValueError(f"q heads H={H} must be a multiple of kv heads K={K}")
     if block_tables.ndim != 2 or block_tables.shape[0] != B:
@@ -366,8 +295,8 @@ def _check_static(q, k_pages, v_pages, block_tables, lengths, ppb, block_g, inte
             )
         bad = [f"E={E}"] if not _is_pow2(E) or E < _MIN_DOT else []
         for pages in (k_pages, v_pages):
-            if pages_kind(pages) == "int4" and not _is_pow2(pages.scale.shape[-1]):
-                bad.append(f"int4 groups per token E/g={pages.scale.shape[-1]}")
+            if _codes(pages) == (4, True) and not _is_pow2(pages.scale.shape[-1]):
+                bad.append(f"4-bit groups per token E/g={pages.scale.shape[-1]}")
         if bad:
             raise ValueError(
                 f"compiled kernel needs power-of-two tiles (E >= {_MIN_DOT}); got {', '.join(bad)}"
@@ -511,8 +440,8 @@ def _paged_attention(
     k_leaves, v_leaves = jax.tree.leaves(k_pages), jax.tree.leaves(v_pages)
     kernel = functools.partial(
         _paged_kernel,
-        k_kind=pages_kind(k_pages),
-        v_kind=pages_kind(v_pages),
+        k_codes=_codes(k_pages),
+        v_codes=_codes(v_pages),
         nk=len(k_leaves),
         nv=len(v_leaves),
         page=page,
@@ -592,7 +521,7 @@ def gather_pages(pages, block_tables, layer=None):
     ids = jnp.clip(block_tables, 0, n_pool - 1)  # [B, M]
     li = 0 if layer is None else layer
     sel = jax.tree.map(lambda x: x[li][:, ids], pages)  # leaves [K, B, M, page, X]
-    x = dequantize_pages(sel)  # [K, B, M, page, E]
+    x = decode_pages(sel)  # [K, B, M, page, E]
     K, B, M, page, E = x.shape
     return jnp.transpose(x, (1, 0, 2, 3, 4)).reshape(B, K, M * page, E)
 

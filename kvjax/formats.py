@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -269,6 +269,105 @@ def store_nbytes(store) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(store))
 
 
+# ----------------------------------------------------------------------------- pages
+# The paged layout (kvjax/pages.py, kvjax/paged.py) stores keys and values token by token in
+# pages; a format that can be paged gives it a `PageCodec` (`fmt.page_codec(kind)`).
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantPages:
+    """Integer-coded pages, leaves [..., E * bits / 8] (codes) and [..., E / g] (scale, zero).
+
+    bits 8, no zero: int8 codes, x ~= q * scale (symmetric, one scale per token: g = E);
+    bits 4 with zero: uint8 bytes holding element 2i in the low nibble and 2i+1 in the high
+    one, x ~= q * scale + zero per group of g channels. Scales and zeros are float16. `bits` is
+    static (pytree metadata), so the paged kernel dequantizes by it without a format name."""
+
+    q: jax.Array
+    scale: jax.Array
+    zero: jax.Array | None = None
+    bits: int = dataclasses.field(default=8, metadata={"static": True})
+
+    @property
+    def head_dim(self) -> int:
+        """Logical elements E per token."""
+        return self.q.shape[-1] * 8 // self.bits
+
+
+def decode_pages(store):
+    """A page store (a float array or `QuantPages`) decoded to float32 [..., E]."""
+    if not isinstance(store, QuantPages):
+        return store.astype(jnp.float32)
+    d = {"q": store.q, "scale": store.scale}
+    if store.zero is None:
+        return dequantize_int8(d)
+    group = store.head_dim // store.scale.shape[-1]
+    return dequantize_per_token({**d, "zero": store.zero}, store.bits, group)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageCodec:
+    """How a format holds keys or values in pages: `encode` x [..., E] -> a page store with
+    leaves [..., X]; `zeros`, `decode` and `nbytes` follow from it. The paged layout allocates,
+    writes and reads pages only through this, and the kernel reads what `encode` returns."""
+
+    def encode(self, x):
+        raise NotImplementedError
+
+    def decode(self, store):
+        return decode_pages(store)
+
+    def zeros(self, shape):
+        """A zeroed store for logical shape [..., E]."""
+        spec = jax.eval_shape(self.encode, jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
+
+    def nbytes(self, shape) -> int:
+        """Bytes of a store of logical shape [..., E], without allocating."""
+        return store_nbytes(jax.eval_shape(lambda: self.zeros(shape)))
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatPages(PageCodec):
+    """Pages of a float dtype (the kernel reads them directly)."""
+
+    dtype: Any = jnp.float32
+
+    def encode(self, x):
+        return x.astype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Pages(PageCodec):
+    """Symmetric int8 per token (`quantize_int8`)."""
+
+    def encode(self, x):
+        d = quantize_int8(x)
+        return QuantPages(d["q"], d["scale"], bits=8)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedPages(PageCodec):
+    """Asymmetric per-token groups of `group` channels, packed at `bits` (`quantize_per_token`);
+    a group spans whole bytes, so the kernel unpacks a token's groups independently."""
+
+    bits: int = 4
+    group: int = 32
+
+    def __post_init__(self):
+        _check_bits(self.bits)
+        if self.group <= 0 or self.group * self.bits % 8:
+            raise ValueError(
+                f"{self.bits}-bit pages need groups of whole bytes: group={self.group} must be a "
+                f"positive multiple of {8 // math.gcd(8, self.bits)}"
+            )
+
+    def encode(self, x):
+        d = quantize_per_token(x, self.bits, self.group)
+        return QuantPages(d["q"], d["scale"], d["zero"], bits=self.bits)
+
+
 # ----------------------------------------------------------------------------- the protocol
 
 
@@ -300,6 +399,10 @@ class KVFormat:
         """The smallest capacity >= `capacity` this format can store (a cache sized at run time,
         e.g. after a compress-mode selection)."""
         return capacity
+    def page_codec(self, kind: str) -> PageCodec | None:
+        """How keys (kind "k") or values ("v") are held in pages, token by token (the paged
+        layout), or None (the default): this format has no page layout."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +425,9 @@ class _FloatFormat(KVFormat):
         with jax.named_scope("kv_format_read"):
             q = _layer(store["q"], layer)  # [B, K, C, E]
             return q if self.dtype == jnp.float32 else bf16_to_f32(q)
+
+    def page_codec(self, kind):
+        return FloatPages(self.dtype)
 
 
 @register
@@ -396,6 +502,9 @@ class Int8(_ScaledFormat):
 
     def _decode(self, d):
         return dequantize_int8(d)
+
+    def page_codec(self, kind):
+        return Int8Pages()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -663,6 +772,19 @@ class Int4(_IntFormat):
     name = "int4"
     bits = 4
     group: int = 64
+
+    def page_codec(self, kind):
+        """Per-token groups (`group`, values `value_group`) packed two codes per byte. The paged
+        kernel reads whole tokens, so per-channel keys (key_mode="channel") have no pages."""
+        _check_kind(kind)
+        if self.channel_keys(kind):
+            raise ValueError(
+                "kv format int4 with key_mode='channel' (per-channel KIVI keys) does not fit "
+                "pages: the paged kernel reads whole tokens, so paged int4 quantizes keys per "
+                "token; pass key_mode='token' (run.py: +kv_options.key_mode=token) or use "
+                "layout='dense'"
+            )
+        return PackedPages(self.bits, self.group_of(kind))
 
 
 @register

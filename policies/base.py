@@ -198,6 +198,11 @@ class Policy:
         """The policy of a compressed cache: it grows, new tokens fill empty slots."""
         return Grown(inner=self)
 
+    def page_rule(self) -> PageRule | None:
+        """What the paged layout can serve of this policy (`PageRule`), or None (the default):
+        pages hold every kv head, so only position-based, page-granular eviction maps onto them."""
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class Grown(Policy):
@@ -427,3 +432,19 @@ def keep_best_pool(pos, score, protected, n_keep, floor=None):
     flat = rank_keep(pos.reshape(B, K * C), score.reshape(B, K * C), first.reshape(B, K * C),
                      K * n_keep)
     return flat.reshape(B, K, C)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageRule:
+    """A policy's eviction as the paged layout (kvjax/paged.py) runs it, page by page.
+
+    After each forward call a row keeps the pages holding its first `sinks` tokens and every
+    page holding one of its last `window` tokens (window None: every page, no eviction).
+    `rope_in_cache`: queries and keys are rotated at their positions within the cache
+    (StreamingLLM's rope="cache"); the layout keeps keys rotated at absolute positions, which
+    leaves the recent keys' position differences unchanged, and re-rotates the kept sink pages
+    by the evicted count when it reads them."""
+
+    window: int | None = None
+    sinks: int = 0
+    rope_in_cache: bool = False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.policies.base import Policy, at_positions, register
+from kvjax.policies.base import PageRule, Policy, at_positions, register
 
 
 @register
@@ -27,3 +27,7 @@ class Full(Policy):
 
     def place(self, view, k_new, v_new, pos_new, probs):
         return at_positions(view, pos_new), view.stats
+
+    def page_rule(self) -> PageRule:
+        """On pages: every page is kept."""
+        return PageRule()

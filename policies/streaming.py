@@ -14,7 +14,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import Evicting, check_choice, equal_scores, register
+from kvjax.policies.base import Evicting, PageRule, check_choice, equal_scores, register
 
 ROPE_MODES = ("cache", "original")
 
@@ -49,3 +49,13 @@ class Streaming(Evicting):
 
     def score(self, view, k_new, pos_new, probs):
         return equal_scores(view, pos_new)
+
+    def page_rule(self) -> PageRule | None:
+        """On pages (evict mode): the sink pages and the pages holding the last budget - n_sink
+        tokens."""
+        if self.mode != "evict":
+            return None
+        if self.budget is None:
+            return PageRule()
+        return PageRule(window=self.budget - self.n_sink, sinks=self.n_sink,
+                        rope_in_cache=self.rope == "cache")

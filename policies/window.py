@@ -8,7 +8,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import Policy, broadcast_new, equal_scores, register
+from kvjax.policies.base import PageRule, Policy, broadcast_new, equal_scores, register
 
 
 @register
@@ -25,3 +25,7 @@ class Window(Policy):
 
     def score(self, view, k_new, pos_new, probs):
         return equal_scores(view, pos_new)
+
+    def page_rule(self) -> PageRule | None:
+        """On pages (evict mode): the pages holding the last `budget` tokens."""
+        return PageRule(window=self.budget) if self.mode == "evict" else None

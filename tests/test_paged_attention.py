@@ -9,15 +9,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax import formats
+from kvjax.formats import QuantPages, decode_pages, get_format
 from kvjax.kernels import paged_attention as pa
 
 INTERPRET = jax.devices()[0].platform != "gpu"
 E = 16  # smallest head dim the compiled (Triton) kernel takes
 
 
+def _encode(x, kind, group=8):
+    """x [..., E] as `kind` pages, by the format's page codec (int4: per-token groups)."""
+    options = {"group": group, "key_mode": "token"} if kind == "int4" else {}
+    return get_format(kind, **options).page_codec("k").encode(x)
+
+
 def _pages(rng, kind, K, P, page, group=8):
     x = jnp.asarray(rng.normal(size=(K, P, page, E)), jnp.float32)  # [K, P, page, E]
-    return pa.quantize_pages(x, kind, group=group)
+    return _encode(x, kind, group)
 
 
 def _case(seed, kind, G, page, lengths, K=2, extra_pages=2, q_dtype=jnp.float32):
@@ -71,7 +79,7 @@ def test_matches_reference(kind, G, page, lengths, splits, mass, q_dtype):
         (got, got_mass), (want, want_mass) = got, want
         assert got_mass.shape == (
             len(lengths),
-            kp[0].shape[0] if kind.startswith("int") else kp.shape[0],
+            kp.q.shape[0] if isinstance(kp, QuantPages) else kp.shape[0],
             bt.shape[1] * page,
         )
         np.testing.assert_allclose(
@@ -168,16 +176,15 @@ def test_shape_errors():
 
 def test_quantized_layouts_match_kvjax_formats():
     """Pages use kvjax.formats' per-token layouts: int8 q·scale, int4 packed nibbles."""
-    formats = pytest.importorskip("kvjax.formats")
     x = jnp.asarray(np.random.default_rng(7).normal(size=(2, 3, 8, 32)), jnp.float32)
-    p8 = pa.quantize_pages(x, "int8")
+    p8 = _encode(x, "int8")
     d8 = formats.quantize_int8(x)
     np.testing.assert_array_equal(p8.q, d8["q"])
-    np.testing.assert_allclose(pa.dequantize_pages(p8), formats.dequantize_int8(d8))
-    p4 = pa.quantize_pages(x, "int4", group=16)
+    np.testing.assert_allclose(decode_pages(p8), formats.dequantize_int8(d8))
+    p4 = _encode(x, "int4", group=16)
     d4 = formats.quantize_per_token(x, 4, 16)
     np.testing.assert_array_equal(p4.q, d4["q"])
-    np.testing.assert_allclose(pa.dequantize_pages(p4), formats.dequantize_per_token(d4, 4, 16))
+    np.testing.assert_allclose(decode_pages(p4), formats.dequantize_per_token(d4, 4, 16))
     # nibble order: element 2i low, 2i+1 high
     c = np.asarray(p4.q[0, 0, 0, 0])
     codes = np.round(
@@ -189,7 +196,7 @@ def test_quantized_layouts_match_kvjax_formats():
 def test_quantized_pages_close_to_float():
     x = jnp.asarray(np.random.default_rng(8).normal(size=(4, 64)), jnp.float32)
     for kind, tol in (("int8", 0.02), ("int4", 0.3), ("bf16", 0.01)):
-        err = np.abs(np.asarray(pa.dequantize_pages(pa.quantize_pages(x, kind, group=32)) - x))
+        err = np.abs(np.asarray(decode_pages(_encode(x, kind, group=32)) - x))
         assert err.max() < tol, (kind, err.max())
 
 
@@ -207,3 +214,23 @@ def test_valid_tokens_and_probs_by_hand():
     np.testing.assert_allclose(pa._probs(scores, valid, lse), [[1 / 3, 2 / 3, 0.0]], rtol=1e-6)
     np.testing.assert_array_equal(pa._probs(scores, valid, jnp.full((1, 1), -jnp.inf)),
                                   [[1.0, 2.0, 0.0]])  # no attended token: lse -inf is not used
+
+
+# --------------------------------------------------------------------------- CUDA lowering
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "int8", "int4"])
+def test_compiled_kernel_lowers_to_triton_for_cuda(kind):
+    """The compiled kernel (interpret=False), with the attention mass, lowers for CUDA on any
+    host: Pallas emits the Triton IR of one custom call (no GPU needed; compiling that IR to
+    PTX, and running it, needs one)."""
+    q, kp, vp, bt, ln = _case(9, kind, 3, 16, [5, 20],
+                              q_dtype=jnp.float32 if kind == "f32" else jnp.bfloat16)
+
+    def run(q, kp, vp, bt, ln):
+        return pa.paged_attention(q, kp, vp, bt, ln, return_mass=True, interpret=False)
+
+    text = jax.jit(run).trace(q, kp, vp, bt, ln).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 1
+    assert 'name = "paged_attention_page16_ppb4"' in calls[0]  # 64-token blocks

@@ -8,6 +8,7 @@ The kernel runs with interpret=True on CPU (the layout's default off a GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -16,14 +17,18 @@ import numpy as np
 import pytest
 from test_model import np_layer_out, np_logits, np_norm, np_rope
 
-from kvjax import paged
+from kvjax import pages
 from kvjax.cache import KVCache, get_layout, init_cache
 from kvjax.config import tiny_config
-from kvjax.formats import get_format
+from kvjax.formats import F32 as F32Format
+from kvjax.formats import FORMATS, FP8, FloatPages, Int8Pages, get_format
 from kvjax.generate import decode_step, generate, prefill
 from kvjax.model import forward_jit as forward
 from kvjax.model import init_params
-from kvjax.policies import get_policy
+from kvjax.paged import PagedCache
+from kvjax.policies import POLICIES, get_policy
+from kvjax.policies.base import PageRule, Policy
+from kvjax.policies.window import Window
 
 F32 = get_format("f32")
 FULL = get_policy("full")
@@ -71,7 +76,7 @@ def test_paged_full_equals_dense(kind, impl):
     np.testing.assert_allclose(got, dense, atol=1e-5, rtol=0)
     cache.check_finite()
     assert cache.length.tolist() == [17, 10]
-    assert paged.invariant_errors(cache.pages) == []
+    assert pages.invariant_errors(cache.pages) == []
 
 
 # --------------------------------------------------------------------------- the page-granular rule
@@ -119,15 +124,54 @@ def numpy_rule_decoder(p, cfg, ids, chunks, window, sinks, page, rope_cache):
     return np_logits(x, p, cfg)
 
 
+@dataclasses.dataclass(frozen=True)
+class ToySinkWindow(Window):
+    """A policy no file of policies/ defines (and no registry holds): a window of `budget`
+    tokens plus `n_sink` sinks, rotated at positions within the cache. It only declares its
+    page rule; the paged layout serves it without knowing it."""
+
+    name = "toy_sink_window"
+    n_sink: int = 5
+
+    def page_rule(self) -> PageRule:
+        return PageRule(window=self.budget, sinks=self.n_sink, rope_in_cache=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyNoPages(Policy):
+    """A policy that declares no page rule (the protocol's default)."""
+
+    name = "toy_no_pages"
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyInt8Keys(F32Format):
+    """A format no file of kvjax defines: pages hold int8 keys and f32 values (two codecs)."""
+
+    name = "toy_int8_keys"
+
+    def page_codec(self, kind):
+        return Int8Pages() if kind == "k" else FloatPages()
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyNoCodec(FP8):
+    """A format that declares no page codec (the protocol's default)."""
+
+    name = "toy_no_codec"
+
+
 RULE_CASES = [  # (policy, window, sinks, rope_cache)
     (get_policy("window", budget=12), 12, 0, False),
     (get_policy("streaming", budget=13, n_sink=3, rope="cache"), 10, 3, True),
     (get_policy("streaming", budget=13, n_sink=3, rope="original"), 10, 3, False),
+    (ToySinkWindow(budget=9), 9, 5, True),
 ]
 
 
 @pytest.mark.parametrize("policy, window, sinks, rope_cache", RULE_CASES,
-                         ids=["window", "streaming-rope-cache", "streaming-rope-original"])
+                         ids=["window", "streaming-rope-cache", "streaming-rope-original",
+                              "toy-policy"])
 def test_page_granular_eviction_matches_numpy_rule(policy, window, sinks, rope_cache):
     """Prompt of 30 tokens in chunks of 12 (the third chunk overflows the window: its oldest
     tokens are never stored), then 10 decode steps through the kernel; every logit agrees
@@ -172,7 +216,7 @@ def test_shared_prompt_pages_copy_on_write_in_the_model(policy):
         b, shared = forward(p, jnp.asarray(ids[:, t:t + 1]), shared, cfg)
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
     shared.check_finite()
-    assert paged.invariant_errors(shared.pages) == []
+    assert pages.invariant_errors(shared.pages) == []
 
 
 # --------------------------------------------------------------------------- formats
@@ -255,7 +299,7 @@ def test_nbytes_abstract_and_pool_size():
 def test_unsupported_choices_are_clear_errors():
     cfg, _ = _model("gqa")
     lay = get_layout("paged", page_size=PAGE)
-    with pytest.raises(ValueError, match=r"policy 'h2o' is not supported.*full, window, streaming"):
+    with pytest.raises(ValueError, match=r"policy 'h2o' is not supported.*full, streaming, window"):
         lay.init(cfg, 1, get_policy("h2o", budget=16), F32, 32)
     with pytest.raises(ValueError, match=r"'int2' is not supported.*f32, bf16, int8, int4"):
         lay.init(cfg, 1, FULL, get_format("int2"), 32)
@@ -273,12 +317,50 @@ def test_unsupported_choices_are_clear_errors():
         get_layout("paged", page=16)
 
 
+def test_paged_support_is_asked_of_the_registered_classes(monkeypatch):
+    """The errors name the policy or format and list what the registered classes declare
+    through the protocol (page rule, page codec), not a table of names: a class registered
+    with one joins the list, a class without one is refused."""
+    cfg, _ = _model("gqa")
+    lay = get_layout("paged", page_size=PAGE)
+    for name, cls in (("toy_sink_window", ToySinkWindow), ("toy_no_pages", ToyNoPages)):
+        monkeypatch.setitem(POLICIES, name, cls)
+    for name, cls in (("toy_int8_keys", ToyInt8Keys), ("toy_no_codec", ToyNoCodec)):
+        monkeypatch.setitem(FORMATS, name, cls)
+    with pytest.raises(ValueError, match=r"policy 'toy_no_pages' is not supported on the paged "
+                       r"layout .*supported on paged: full, streaming, toy_sink_window, window;"):
+        lay.init(cfg, 1, ToyNoPages(), F32, 32)
+    with pytest.raises(ValueError, match=r"kv format 'toy_no_codec' is not supported on the "
+                       r"paged layout .*supported: f32, bf16, int8, int4, toy_int8_keys;"):
+        lay.init(cfg, 1, FULL, ToyNoCodec(), 32)
+
+
+def test_a_new_format_runs_on_pages_through_its_codec():
+    """ToyInt8Keys (int8 key pages, f32 value pages): the kernel path equals the gathered
+    reference on the same pages, and the logits stay within 0.05 of f32 pages."""
+    cfg, p = _model("gqa", head_dim=16)
+    ids = _ids(cfg, 2, 20, seed=5)
+    prompts = [ids[0, :11].tolist(), ids[1, :7].tolist()]
+    cont = ids[:, 11:14]
+    fmt = ToyInt8Keys()
+    runs = {}
+    for impl in ("pallas", "reference"):
+        layout = get_layout("paged", page_size=PAGE, impl=impl)
+        runs[impl], cache = _run(p, cfg, layout.init(cfg, 2, FULL, fmt, 32), prompts, 11, 3, cont)
+    assert cache.pages.k.q.dtype == jnp.int8 and cache.pages.v.dtype == jnp.float32
+    np.testing.assert_allclose(runs["pallas"], runs["reference"], atol=1e-5, rtol=0)
+    layout = get_layout("paged", page_size=PAGE, impl="pallas")
+    f32, _ = _run(p, cfg, layout.init(cfg, 2, FULL, F32, 32), prompts, 11, 3, cont)
+    err = np.abs(runs["pallas"] - f32).max()
+    assert 0 < err < 0.05, err
+
+
 def test_pool_too_small_is_reported_not_silently_wrong():
     """A pool smaller than the rows need preempts under jit; check_finite raises on the host."""
     cfg, p = _model("gqa")
     cache = get_layout("paged", page_size=PAGE, num_pages=3).init(cfg, 2, FULL, F32, 32)
     _, cache = forward(p, jnp.asarray(_ids(cfg, 2, 16)), cache, cfg)
-    with pytest.raises(paged.PagedCacheError, match=r"rows \[1\] were preempted"):
+    with pytest.raises(pages.PagedCacheError, match=r"rows \[1\] were preempted"):
         cache.check_finite()
 
 
@@ -317,7 +399,7 @@ def test_generate_runs_on_the_paged_layout():
     layout = get_layout("paged", page_size=PAGE, impl="pallas")
     got, cache = generate(p, cfg, prompts, 5, FULL, F32, max_len=32, layout=layout)
     np.testing.assert_array_equal(got, want)
-    assert isinstance(cache, paged.PagedCache) and cache.length.tolist() == [14, 9]
+    assert isinstance(cache, PagedCache) and cache.length.tolist() == [14, 9]
 
 
 # --------------------------------------------------------------------------- the real model
