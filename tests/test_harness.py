@@ -157,7 +157,9 @@ def test_end_to_end_records_baseline_cache_skip_and_force(tmp_path):
     rec = out.record
     assert out.stored and rec["metrics"]["baseline_source"] == "this run"
     assert rec["metrics"]["delta"] == 0.0 and rec["metrics"]["metric"] == "perplexity"
-    assert rec["cache"]["kv_bytes"] == rec["cache"]["closed_form_bytes"] == 2 * 2 * 2 * 32 * 64 * 4
+    c = rec["cache"]
+    assert c["kv_bytes"] == c["payload_bytes"] == 2 * 2 * 2 * 32 * 64 * 4  # 2·L·Hkv·D·T·4
+    assert c["closed_form_bytes"] == c["total_bytes"] == c["kv_bytes"] + 2 * 2 * 64 * 4 + 4 + 2
     assert rec["cache"]["compression"] == 1.0
     assert rec["config"]["task"]["length"] == 64 and rec["config"]["wandb"]["mode"] == "disabled"
     assert rec["git"]["commit"] is None or len(rec["git"]["commit"]) == 40
@@ -170,7 +172,7 @@ def test_end_to_end_records_baseline_cache_skip_and_force(tmp_path):
     assert np.exp(nll.mean(dtype=np.float64)) == pytest.approx(rec["metrics"]["perplexity"])
     table = "\n".join(lines)
     for word in ("perplexity", "full cache", "delta", "cache bytes (measured)",
-                 "cache bytes (closed form)", "compression", "prefill / decode"):
+                 "cache bytes (closed form)", "payload", "compression", "prefill / decode"):
         assert word in table
 
     win = spec_of(*TINY, "policy=window", "budget=16", "kv_dtype=bf16", tmp=tmp_path)
