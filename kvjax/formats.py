@@ -287,6 +287,15 @@ class KVFormat:
     def read(self, store: dict, layer, kind: str):
         raise NotImplementedError
 
+    def options(self) -> dict:
+        """The name and every option with defaults resolved (nested formats too): two formats
+        with equal options store identically, so a point's key uses this."""
+        out = {"name": self.name}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.options() if isinstance(v, KVFormat) else v
+        return out
+
     def bytes_formula(self, L: int, B: int, K: int, C: int, E: int, kind: str) -> int:
         """Exact bytes of the `kind` store of shape (L, B, K, C, E), by arithmetic: codes +
         scales/zero points + full-precision residual (tested equal to the allocated bytes)."""
@@ -458,6 +467,10 @@ class _IntFormat(KVFormat):
     def n_open(self) -> int:
         """Groups the key residual holds at once."""
         return (self.group if self.residual is None else self.residual) // self.group
+
+    def options(self) -> dict:
+        return {**super().options(), "residual": self.n_open * self.group,
+                "value_group": self.group_of("v")}
 
     def channel_keys(self, kind: str) -> bool:
         return kind == "k" and self.key_mode == "channel"

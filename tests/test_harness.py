@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kvjax import experiment, harness
 from kvjax.experiment import ConfigError, plan
 from kvjax.results import ResultsStore
-from kvjax.tasks.text import DEFAULT_SOURCE, default_text
+from kvjax.tasks.text import DEFAULT_SOURCE, default_text, sha256_text
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `experiments` is a top-level folder, importable from the root
@@ -106,7 +106,7 @@ def test_hydra_rejects_unknown_keys_options_and_types(override, words):
 def test_bad_combinations_fail_before_the_model_loads(overrides, pattern, monkeypatch):
     monkeypatch.setattr(experiment, "load", lambda *a: pytest.fail("the model was loaded"))
     with pytest.raises(ConfigError, match=pattern):
-        plan(spec_of(*overrides))
+        plan(spec_of("model=tiny", *overrides))
 
 
 @pytest.mark.parametrize("overrides, pattern", [
@@ -133,7 +133,7 @@ def test_main_exits_with_the_error_message(capsys, monkeypatch):
 
 
 def test_point_key_ignores_volatile_settings_and_dedupes_equivalent_points(tmp_path):
-    key = lambda *o: plan(spec_of(*o)).key
+    key = lambda *o: plan(spec_of("model=tiny", *o)).key
     base = key("policy=lru", "kv_dtype=int4")
     assert base == key("policy=lru", "kv_dtype=int4", "wandb.mode=disabled", "force=true",
                        f"results={tmp_path}/x.jsonl", "progress=false", "xla_cache=null")
@@ -143,8 +143,74 @@ def test_point_key_ignores_volatile_settings_and_dedupes_equivalent_points(tmp_p
     assert base != key("policy=lru", "kv_dtype=int8")
     assert base != key("policy=lru", "kv_dtype=int4", "task.chunk=64")
     assert key("policy=full") == key("policy=full", "budget=128")  # full ignores budget
-    p = plan(spec_of("policy=full", "budget=128"))
+    p = plan(spec_of("model=tiny", "policy=full", "budget=128"))
     assert p.policy.budget is None and "ignored" in p.notes[0]
+
+
+def test_point_key_is_the_content_of_text_format_and_code(tmp_path, monkeypatch):
+    """Editing a text file makes a new point; the same text under another path, `length=all`
+    and its count, `int4` and `int4` with its default options spelled out are one point."""
+    text = "Some plain prose, written twice. " * 20  # 660 characters = tokens of `tiny`
+    a, b = tmp_path / "a.txt", tmp_path / "sub" / "b.txt"
+    b.parent.mkdir()
+    a.write_text(text)
+    b.write_text(text)
+    key = lambda *o: plan(spec_of("model=tiny", "task.length=640", *o)).key
+    ka = key(f"task.text_file={a}")
+    assert ka == key(f"task.text_file={b}")
+    a.write_text(text.replace("prose", "verse"))
+    assert key(f"task.text_file={a}") != ka
+    assert key(f"task.text_file={b}", "task.length=all") == key(f"task.text_file={b}",
+                                                                "task.length=660")
+    assert key("kv_dtype=int4") == key("kv_dtype=int4", "+kv_options.group=64",
+                                       "+kv_options.residual=64", "+kv_options.value_group=64")
+    assert key("kv_dtype=int4") != key("kv_dtype=int4", "+kv_options.group=32")
+    p = plan(spec_of("model=tiny", f"task.text_file={b}", "task.length=all"))
+    pt = p.point
+    assert p.spec.task.length == 660 and pt["task"]["length"] == 660
+    assert pt["text"] == {"sha256": sha256_text(text), "n_tokens": 660}
+    assert "text_file" not in pt["task"] and str(tmp_path) not in json.dumps(pt)
+    assert pt["format"] == {"name": "f32"} and pt["model"]["name"] == "tiny"
+    assert pt["code"]["version"] == "0.1.0" and len(pt["code"]["source_sha256"]) == 16
+    # the default text enters by content too (it used to differ between Python versions)
+    assert plan(spec_of("model=tiny")).point["text"]["sha256"] == sha256_text(default_text())
+    monkeypatch.setattr(experiment, "load_text", lambda f: ("other words " * 200, "x"))
+    assert plan(spec_of("model=tiny")).key != key()
+    monkeypatch.undo()
+    # the code: a changed source file changes its hash (editable and regular installs agree)
+    src = tmp_path / "pkg"
+    (src / "policies").mkdir(parents=True)
+    (src / "a.py").write_text("x = 1\n")
+    (src / "policies" / "p.py").write_text("y = 2\n")
+    h = experiment.source_sha256({"kvjax": src, "kvjax/policies": src / "policies"})
+    flat_k, flat_p = tmp_path / "k", tmp_path / "p"  # an editable install's layout
+    flat_k.mkdir()
+    flat_p.mkdir()
+    (flat_k / "a.py").write_text("x = 1\n")
+    (flat_p / "p.py").write_text("y = 2\n")
+    assert experiment.source_sha256({"kvjax": flat_k, "kvjax/policies": flat_p}) == h
+    (src / "a.py").write_text("x = 2\n")
+    assert experiment.source_sha256({"kvjax": src, "kvjax/policies": src / "policies"}) != h
+
+
+def test_allow_dirty_false_refuses_uncommitted_code(monkeypatch):
+    monkeypatch.setattr(experiment, "git_info", lambda **kw: {"commit": "c" * 40, "dirty": True})
+    with pytest.raises(ConfigError, match="allow_dirty=false and the kvjax checkout has "
+                                          "uncommitted code changes"):
+        plan(spec_of("model=tiny", "allow_dirty=false"))
+    assert plan(spec_of("model=tiny")).key  # the default runs, its key covers the source
+
+
+@pytest.mark.slow
+def test_model_key_is_the_file_content_not_its_path(tmp_path):
+    """A link to the cached GGUF and the registered name are one model; its sha256 is pinned."""
+    from kvjax.loading import MODELS, fetch_model
+
+    link = tmp_path / "m.gguf"
+    link.symlink_to(fetch_model("smollm2-135m"))
+    by_name = plan(spec_of("task.length=64")).point["model"]
+    assert plan(spec_of(f"model.name={link}", "task.length=64")).point["model"] == by_name
+    assert by_name["sha256"] == MODELS["smollm2-135m"].sha256 and by_name["name"] == "smollm2-135m"
 
 
 # ----------------------------------------------------------------------------- running
@@ -158,7 +224,7 @@ def test_end_to_end_records_baseline_cache_skip_and_force(tmp_path):
     assert out.stored and rec["metrics"]["baseline_source"] == "this run"
     assert rec["metrics"]["delta"] == 0.0 and rec["metrics"]["metric"] == "perplexity"
     c = rec["cache"]
-    assert c["kv_bytes"] == c["payload_bytes"] == 2 * 2 * 2 * 32 * 64 * 4  # 2·L·Hkv·D·T·4
+    assert c["kv_bytes"] == c["payload_bytes"] == 2 * 2 * 2 * 64 * 64 * 4  # 2·L·Hkv·D·T·4
     assert c["closed_form_bytes"] == c["total_bytes"] == c["kv_bytes"] + 2 * 2 * 64 * 4 + 4 + 2
     assert rec["cache"]["compression"] == 1.0
     assert rec["config"]["task"]["length"] == 64 and rec["config"]["wandb"]["mode"] == "disabled"
@@ -182,8 +248,18 @@ def test_end_to_end_records_baseline_cache_skip_and_force(tmp_path):
     assert m["delta"] == pytest.approx(m["value"] - m["baseline"])
     assert rec2["cache"]["capacity"] == 16 and rec2["cache"]["compression"] == 8.0
 
+    assert rec2["cache"]["closed_form_bytes"] == rec2["cache"]["total_bytes"]
+
+    with open(tmp_path / "results.jsonl", "a") as f:
+        f.write("{not json\n")
+    lines.clear()
     skipped = experiment.run(win, tmp_path / "run2", echo=lines.append)
-    assert skipped.skipped and skipped.record is None and "skip: point" in lines[-1]
+    assert skipped.skipped and skipped.record is None
+    assert lines[0].startswith(f"warning: results store {tmp_path / 'results.jsonl'}: skipping "
+                               "line 3: not valid JSON")
+    assert "skip: point" in lines[1]  # ... and the stored result, as its run printed it
+    assert lines[2].startswith("kvjax | model=tiny | policy=window(budget=16) | kv_dtype=bf16")
+    assert f"{rec2['metrics']['value']:.4f}" in lines[2] and "force=true reruns it" in lines[2]
     assert not (tmp_path / "run2").exists()
     forced = experiment.run(dataclasses.replace(win, force=True), tmp_path / "run3",
                             echo=lines.append)
@@ -196,11 +272,14 @@ def test_end_to_end_records_baseline_cache_skip_and_force(tmp_path):
 def test_text_file_speed_probe_and_wandb_offline(tmp_path):
     text = tmp_path / "doc.txt"
     text.write_text("Ünïcode prose, plain and simple. " * 40, encoding="utf-8")
-    spec = spec_of("model=tiny", f"task.text_file={text}", "task.length=48", "task.chunk=16",
+    spec = spec_of("model=tiny", f"task.text_file={text}", "task.length=96", "task.chunk=16",
                    "speed.prompt=16", "speed.new_tokens=4", "wandb.mode=offline",
-                   "policy=window", "budget=32", tmp=tmp_path)
+                   "policy=h2o", "budget=64", "kv_dtype=int4", tmp=tmp_path)
     rec = experiment.run(spec, tmp_path / "run", echo=lambda *a: None).record
-    assert rec["metrics"]["n_tokens"] == 48 and rec["text"]["source"] == str(text.resolve())
+    assert rec["metrics"]["n_tokens"] == 96 and rec["text"]["source"] == str(text.resolve())
+    c = rec["cache"]  # int4 with its residual and scales: the closed form is the real bytes
+    assert c["closed_form_bytes"] == c["total_bytes"] > c["kv_bytes"] > c["payload_bytes"]
+    assert c["payload_bytes"] == 2 * 2 * 2 * 64 * 64 * 0.5
     assert rec["metrics"]["baseline_source"] == "computed"
     t = rec["timings"]
     assert t["prefill_s"] > 0 and t["decode_tok_s"] > 0 and t["prefill_tokens"] == 16

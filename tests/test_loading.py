@@ -543,7 +543,7 @@ def test_fetch_refetches_a_truncated_cached_file_once(fake_model, monkeypatch, c
 
 
 def test_fetch_refetches_a_corrupt_cached_file(fake_model, capsys):
-    spec, payload, cache = fake_model
+    _, payload, cache = fake_model
     path = hub.fetch_model("fake-model", cache_dir=cache)
     bad = bytes([payload[0] ^ 1]) + payload[1:]
     path.write_bytes(bad)

@@ -24,12 +24,12 @@ __all__ = [
     "MODELS",
     "Tokenizer",
     "fetch_model",
-    "load_gguf",
     "load_config",
+    "load_gguf",
     "load_hf_dir",
     "load_model",
-    "locate",
     "load_tokenizer",
+    "locate",
 ]
 
 
