@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -213,6 +214,130 @@ def test_model_key_is_the_file_content_not_its_path(tmp_path):
     assert by_name["sha256"] == MODELS["smollm2-135m"].sha256 and by_name["name"] == "smollm2-135m"
 
 
+def run_py(*args, cwd, timeout=300, **kw):
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, check=False, **kw)
+
+
+def _bad_input(case: str, tmp_path: Path) -> tuple[list[str], str]:
+    """(overrides, the error's pattern) of each bad input that used to give a traceback."""
+    if case == "empty text":
+        (tmp_path / "empty.txt").write_text("")
+        return [f"task.text_file={tmp_path / 'empty.txt'}"], r"empty.txt' has 0 token\(s\)"
+    if case == "short text":
+        (tmp_path / "short.txt").write_text("x" * 201)
+        return ([f"task.text_file={tmp_path / 'short.txt'}", "task.length=1024"],
+                r"task.length=1024 but task.text_file=.*short.txt' has only 201 tokens; use "
+                r"task.length<=201, or task.length=all")
+    if case == "group vs head dim":
+        return (["kv_dtype=int4", "+kv_options.group=48"],
+                r"group=48 must divide the head dim E=64.*head dim 64")
+    if case == "directory as model":
+        return [f"model.name={tmp_path}"], r"is a directory but not a HF checkpoint"
+    assert case == "length word"
+    return ["task.length=most"], r"length='most' must be a positive integer or 'all'"
+
+
+BAD_INPUTS = ["empty text", "short text", "group vs head dim", "directory as model",
+              "length word"]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_a_config_error_before_the_model_loads(case, tmp_path, monkeypatch):
+    overrides, pattern = _bad_input(case, tmp_path)
+    monkeypatch.setattr(experiment, "load", lambda *a: pytest.fail("the model was loaded"))
+    with pytest.raises(ConfigError, match=pattern):
+        experiment.run(spec_of("model=tiny", *overrides, tmp=tmp_path), tmp_path / "run")
+    assert not (tmp_path / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_from_run_py_is_one_line_and_exit_code_2(case, tmp_path):
+    overrides, pattern = _bad_input(case, tmp_path)
+    out = run_py("model=tiny", *overrides, "wandb.mode=disabled", f"results={tmp_path}/r.jsonl",
+                 f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert re.search(pattern, lines[0]) and not (tmp_path / "r.jsonl").exists()
+
+
+def test_schemas_are_not_choices_of_their_groups():
+    """`model=model_schema` / `task=perplexity_schema` are not options (they used to be)."""
+    for override, group, real in (("model=model_schema", "model", {"smollm2-135m", "tiny"}),
+                                  ("task=perplexity_schema", "task", {"perplexity", "needle"})):
+        with pytest.raises(HydraException) as e:
+            cfg_of(override)
+        options = str(e.value).split(f"Available options in '{group}':")[1].split("Config")[0]
+        assert real <= set(options.split()) and "_schema" not in options
+    assert cfg_of("model=tiny").model.init_seed == 0  # the schema still types the group
+    with pytest.raises((HydraException, OmegaConfBaseException), match="init_seed=abc"):
+        cfg_of("model=tiny", "model.init_seed=abc")
+
+
+SHIPPED_MODELS = sorted(p.stem for p in (ROOT / "configs" / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.slow) if m != "tiny" else m
+                                   for m in SHIPPED_MODELS])
+def test_every_format_fits_every_shipped_model_at_its_defaults(model, monkeypatch):
+    """plan sizes the cache on the model's real head dim (`model=tiny kv_dtype=int4` failed with
+    int4's default group 64 on the tiny model's head dim 32)."""
+    from kvjax.formats import FORMATS
+
+    monkeypatch.setattr(experiment, "load", lambda *a: pytest.fail("the model was loaded"))
+    for fmt in sorted(FORMATS):
+        for policy in ("full", "h2o"):
+            plan(spec_of(f"model={model}", f"kv_dtype={fmt}", f"policy={policy}"))
+
+
+def test_ctrl_c_is_one_line_records_nothing_and_keeps_the_store(tmp_path, monkeypatch, capsys):
+    store = tmp_path / "results.jsonl"
+    store.write_text('{"key": "old"}\n')
+    before = store.read_bytes()
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(experiment, "load", interrupted)
+    with pytest.raises(SystemExit) as e:
+        harness.main(cfg_of(*TINY, f"results={store}"))
+    assert e.value.code == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "interrupted: this point was not recorded; the results store is intact"]
+    assert store.read_bytes() == before
+
+
+def test_ctrl_c_during_a_run_py_task(tmp_path):
+    """SIGINT while the task streams (its progress bar is on screen): one line, status 130."""
+    store = tmp_path / "r.jsonl"
+    store.write_text('{"key": "old"}\n')
+    err = tmp_path / "err.txt"
+    with open(err, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "run.py"), "model=tiny", "task.length=6000",
+             "task.chunk=1", "progress=true", "speed.prompt=0", "wandb.mode=disabled",
+             f"results={store}", f"hydra.run.dir={tmp_path}/run", "xla_cache=null"],
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=f)
+        deadline = time.time() + 240
+        while time.time() < deadline and "perplexity (full)" not in err.read_text():
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    text = err.read_text()
+    assert "Traceback" not in text
+    assert text.rstrip().splitlines()[-1].endswith(
+        "interrupted: this point was not recorded; the results store is intact")
+    assert store.read_text() == '{"key": "old"}\n'
+
+
+def test_xla_cache_follows_kvjax_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "c"))
+    assert cfg_of().xla_cache == str(tmp_path / "c" / "xla")
+    monkeypatch.delenv("KVJAX_CACHE")
+    assert cfg_of().xla_cache == str(Path.home() / ".cache" / "kvjax" / "xla")
+
+
 # ----------------------------------------------------------------------------- running
 
 
@@ -300,6 +425,8 @@ def test_cli_prints_the_table_and_writes_the_run_dir(tmp_path, xla_dir):
     assert out.returncode == 0, out.stderr
     assert "perplexity" in out.stdout and "compression" in out.stdout and "delta" in out.stdout
     assert {"metrics.json", "nll.npy"} <= {p.name for p in (tmp_path / "run").iterdir()}
+    log = (tmp_path / "run" / "run.log").read_text()  # the run's log holds what it printed
+    assert "cache bytes (closed form)" in log and "results store:" in log
     bad = subprocess.run([sys.executable, str(ROOT / "run.py"), "kv_dtype=int3"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert bad.returncode == 2 and "valid choices" in bad.stderr
