@@ -227,8 +227,8 @@ def _bad_input(case: str, tmp_path: Path) -> tuple[list[str], str]:
     if case == "short text":
         (tmp_path / "short.txt").write_text("x" * 201)
         return ([f"task.text_file={tmp_path / 'short.txt'}", "task.length=1024"],
-                r"task.length=1024 but task.text_file=.*short.txt' has only 201 tokens; use "
-                r"task.length<=201, or task.length=all")
+                (r"task.length=1024 but task.text_file=.*short.txt' has only 201 tokens; use "
+                 r"task.length<=201, or task.length=all"))
     if case == "group vs head dim":
         return (["kv_dtype=int4", "+kv_options.group=48"],
                 r"group=48 must divide the head dim E=64.*head dim 64")
