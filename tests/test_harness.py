@@ -234,12 +234,16 @@ def _bad_input(case: str, tmp_path: Path) -> tuple[list[str], str]:
                 r"group=48 must divide the head dim E=64.*head dim 64")
     if case == "directory as model":
         return [f"model.name={tmp_path}"], r"is a directory but not a HF checkpoint"
+    if case == "corrupt gguf":
+        (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(60))
+        return ([f"model.name={tmp_path / 'm.gguf'}"],
+                r"m.gguf' ?: cannot read its header: .* \(truncated or corrupt\?\)")
     assert case == "length word"
     return ["task.length=most"], r"length='most' must be a positive integer or 'all'"
 
 
 BAD_INPUTS = ["empty text", "short text", "group vs head dim", "directory as model",
-              "length word"]
+              "corrupt gguf", "length word"]
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
