@@ -393,7 +393,8 @@ def test_end_to_end_records_baseline_cache_skip_and_force(tmp_path):
     forced = experiment.run(dataclasses.replace(win, force=True), tmp_path / "run3",
                             echo=lines.append)
     assert forced.stored
-    recs = ResultsStore(tmp_path / "results.jsonl").records()
+    recs, problems = ResultsStore(tmp_path / "results.jsonl").read()
+    assert [p.line for p in problems] == [2]  # the corrupt line was copied through, not lost
     assert sorted(r["key"] for r in recs) == sorted([rec["key"], rec2["key"]])
     assert recs[-1]["run_dir"].endswith("run3")
 
