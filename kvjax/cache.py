@@ -151,6 +151,17 @@ class KVCache:
         """Bytes of the stored keys and values alone (format metadata included)."""
         return _bytes((self.k, self.v))
 
+    def formula_bytes(self, head_dim: int) -> int:
+        """`nbytes()` by arithmetic from L, B, K, C and the head dim: the format's exact formula
+        for keys and values (`fmt.bytes_formula`) + int32 positions + lengths and flags (+ a
+        head pool's owner per slot) + the policy's stats, sized from their shapes (a policy's
+        own pytree, which a prefill-only policy swaps at compress)."""
+        L, B, K, C = self.pos.shape
+        kv = sum(self.fmt.bytes_formula(L, B, K, C, head_dim, kind) for kind in ("k", "v"))
+        owner = getattr(self, "n_heads", None)
+        owner = 0 if owner is None else L * B * K * C * np.dtype(owner_dtype(owner)).itemsize
+        return kv + L * B * K * C * 4 + B * 4 + L + owner + _bytes(self.stats)
+
     def head_slots(self) -> jax.Array:
         """Slots each kv head holds: [L, B, K] int32."""
         return jnp.sum(self.pos >= 0, axis=-1, dtype=jnp.int32)

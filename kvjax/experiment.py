@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import hashlib
 import json
 import math
 import os
@@ -42,7 +43,14 @@ from kvjax.results import (
     to_jsonable,
 )
 from kvjax.tasks import Task, TaskContext, TaskResult
-from kvjax.tasks.text import CharTokenizer, encode_prefix, load_text, sha256_text
+from kvjax.tasks.streaming import ALL, TextTask
+from kvjax.tasks.text import (
+    DEFAULT_SOURCE,
+    CharTokenizer,
+    encode_prefix,
+    load_text,
+    sha256_text,
+)
 
 TINY = "tiny"
 BASELINE_POLICY, BASELINE_FORMAT = "full", "f32"
@@ -100,6 +108,7 @@ class RunSpec:
     wandb: WandbSpec = WandbSpec()
     force: bool = False
     progress: bool | None = None
+    allow_dirty: bool = True  # False: refuse to run from a checkout with uncommitted code
     config: dict | None = dataclasses.field(default=None, compare=False, hash=False)
 
 
@@ -132,6 +141,119 @@ def _check_model_name(model: ModelSpec) -> None:
         f"unknown model {model.name!r}; registered models: {', '.join(registered_names())}, "
         f"or {TINY!r} (random init), or a path to a .gguf file or a HF checkpoint directory"
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    from kvjax.loading.hub import sha256_file
+
+    return sha256_file(Path(path))
+
+
+def _content_sha256(files: list[Path], root: Path) -> str:
+    """sha256 over (name relative to root, sha256 of content) of each file, in name order."""
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda f: f.relative_to(root).as_posix()):
+        st = f.stat()
+        h.update(f"{f.relative_to(root).as_posix()}\0{_file_sha256(str(f), st.st_size, st.st_mtime_ns)}\n".encode())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=4)
+def model_identity(model: ModelSpec) -> dict:
+    """What the model is, by content (never by path): a registered model's pinned sha256, a
+    .gguf file's sha256 (weights and tokenizer are both in it), a HF directory's files; the
+    tiny model is its seed and overrides. Registered models are fetched (and verified) here."""
+    if model.name == TINY:
+        return {"name": TINY, "init_seed": model.init_seed, "overrides": dict(model.overrides),
+                "tokenizer": "char"}
+    from kvjax.loading import MODELS, locate
+    from kvjax.loading.hub import FetchError
+
+    try:
+        kind, path = locate(model.name)
+    except (FileNotFoundError, ValueError, FetchError) as e:
+        raise ConfigError(f"model.name={model.name!r}: {e}") from None
+    if kind == "hf":
+        files = [f for f in path.iterdir() if f.is_file() and not f.name.startswith(".")]
+        return {"name": f"hf:{_content_sha256(files, path)[:12]}", "format": "hf",
+                "sha256": _content_sha256(files, path), "tokenizer": "tokenizer.json in the dir"}
+    st = path.stat()
+    sha = _file_sha256(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    name = next((m.name for m in MODELS.values() if m.sha256 == sha), f"gguf:{sha[:12]}")
+    return {"name": name, "format": "gguf", "sha256": sha, "tokenizer": "gguf (in the file)"}
+
+
+@functools.lru_cache(maxsize=4)
+def model_config(model: ModelSpec):
+    """The model's ModelConfig from its header (no weights are read)."""
+    from kvjax.config import tiny_config
+    from kvjax.loading import load_config
+
+    try:
+        return tiny_config(**dict(model.overrides)) if model.name == TINY else load_config(model.name)
+    except TypeError as e:
+        raise ConfigError(f"model.overrides: {e}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.name={model.name!r}: cannot read its header: {e}") from None
+
+
+def _package_roots() -> dict[str, Path]:
+    import kvjax
+    import kvjax.kernels
+    import kvjax.policies
+
+    return {"kvjax": Path(kvjax.__file__).parent,
+            "kvjax/policies": Path(kvjax.policies.__file__).parent,
+            "kvjax/kernels": Path(kvjax.kernels.__file__).parent}
+
+
+def source_sha256(roots: dict[str, Path]) -> str:
+    """sha256 of the Python sources under each root (prefix -> folder), named as installed, so
+    an editable and a regular install of the same code agree; a root nested in another counts
+    once, under its own prefix."""
+    nested = {r.resolve() for r in roots.values()}
+    h = hashlib.sha256()
+    for prefix, root in sorted(roots.items()):
+        root = root.resolve()
+        for f in sorted(root.rglob("*.py")):
+            inner = f.parents[: len(f.relative_to(root).parents) - 1]  # folders below root
+            if any(p in nested for p in inner):
+                continue
+            h.update(f"{prefix}/{f.relative_to(root).as_posix()}\0".encode())
+            h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def code_identity() -> dict:
+    """The code a point ran: kvjax's version and a hash of its sources (the code imported at
+    start, uncommitted edits included; a docs-only commit leaves it unchanged)."""
+    return {"version": _version("kvjax"), "source_sha256": source_sha256(_package_roots())[:16]}
+
+
+def resolve_text_task(task: Task, tokenizer, text: str, source: str) -> tuple[Task, int | None]:
+    """(the task with `length=all` resolved, tokens it scores) for text tasks; a text too short
+    for `task.length`, or empty, is a ConfigError (never a silently shorter run)."""
+    if not isinstance(task, TextTask):
+        return task, None
+    whole = task.length == ALL
+    ids = tokenizer.encode(text) if whole else encode_prefix(tokenizer, text, task.length)
+    n = len(ids)
+    where = "the default text" if source == DEFAULT_SOURCE else f"task.text_file={source!r}"
+    if n < 2:
+        raise ConfigError(
+            f"{where} has {n} token(s) ({len(text)} characters); task {task.name!r} needs at "
+            "least 2: pass a longer UTF-8 text"
+        )
+    if whole:
+        return dataclasses.replace(task, length=n), n
+    if n < task.length:
+        raise ConfigError(
+            f"task.length={task.length} but {where} has only {n} tokens; use task.length<={n}, "
+            "or task.length=all to score the whole text"
+        )
+    return task, n
 
 
 def build_format(name: str, options: dict):
@@ -191,13 +313,23 @@ def build_policy(spec: RunSpec) -> tuple[Any, tuple[str, ...]]:
 
 
 def plan(spec: RunSpec) -> Plan:
-    """Check the spec before any model work; raise ConfigError naming the bad value."""
+    """Check the spec before any model work (the model's header and tokenizer are read, its
+    weights are not); raise ConfigError naming the bad value."""
     _check_model_name(spec.model)
     if spec.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={spec.wandb.mode!r}; valid choices: {', '.join(WANDB_MODES)}")
     fmt = build_format(spec.kv_dtype, dict(spec.kv_options))
+    try:
+        spec.task.validate()
+        text, source = load_text(getattr(spec.task, "text_file", None))
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    identity = model_identity(spec.model)
+    cfg = model_config(spec.model)
+    tokenizer = load_tokenizer(spec.model)
+    task, n_tokens = resolve_text_task(spec.task, tokenizer, text, source)
+    spec = dataclasses.replace(spec, task=task)
     policy, notes = build_policy(spec)
-    task = spec.task
     need = task.seq_len()
     if spec.max_len is not None and spec.max_len < need:
         raise ConfigError(
@@ -205,6 +337,11 @@ def plan(spec: RunSpec) -> Plan:
             f"use max_len >= {need} or max_len=null"
         )
     max_len = spec.max_len or need
+    if max_len > cfg.max_seq_len and spec.model.name != TINY:
+        raise ConfigError(
+            f"task {task.name!r} needs {max_len} tokens, above the model's context length "
+            f"{cfg.max_seq_len}; shorten the task"
+        )
     if (policy.name != BASELINE_POLICY and policy.ratio is None and policy.budget is not None
             and policy.budget > need):
         raise ConfigError(
@@ -215,8 +352,10 @@ def plan(spec: RunSpec) -> Plan:
     try:
         layout = build_layout(spec.cache)
         layout.validate(policy, fmt, max_len)
+        layout.abstract(cfg, 1, policy, fmt, max_len)  # the format against the real head dim
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"{e} (model {identity['name']}: head dim {cfg.head_dim}, "
+                          f"{cfg.n_kv_heads} kv heads)") from None
     if policy.mode == "compress" and not task.has_prompt:
         with_prompt = sorted(n for n, c in _task_classes().items() if c.has_prompt)
         raise ConfigError(
@@ -231,10 +370,17 @@ def plan(spec: RunSpec) -> Plan:
             f"speed.new_tokens={spec.speed.new_tokens} does not fit the cache length {max_len}"
         )
     try:
-        text, source = load_text(getattr(task, "text_file", None))
-    except (OSError, ValueError) as e:
+        task.check_prompts(tokenizer, text, spec.seed)
+    except ValueError as e:
         raise ConfigError(str(e)) from None
-    point = point_config(spec, policy, max_len, layout)
+    if not spec.allow_dirty and git_info(code_only=True)["dirty"]:
+        raise ConfigError(
+            "allow_dirty=false and the kvjax checkout has uncommitted code changes (git status "
+            "-- kvjax policies kernels run.py): commit them, or allow_dirty=true (the point's "
+            "key covers the source either way)"
+        )
+    point = point_config(spec, policy, max_len, layout, fmt=fmt, model=identity,
+                         text={"sha256": sha256_text(text), "n_tokens": n_tokens})
     return Plan(spec, policy, fmt, max_len, layout, point, config_hash(point), text, source, notes)
 
 
@@ -253,22 +399,31 @@ def _task_classes():
     return TASKS
 
 
-def point_config(spec: RunSpec, policy, max_len: int, layout=None) -> dict:
-    """What identifies a point (its key is this dict's hash): the model, the policy with every
-    option (defaults included, so `budget=256` and a policy default of 256 are one point), the
-    format, the task, the seed, the cache length, the speed probe and the sweep name. Paths,
-    W&B settings, `force` and `progress` are left out; the cache layout is part of the point
-    only when it is not the default dense one (so dense points keep their keys)."""
+def point_config(spec: RunSpec, policy, max_len: int, layout=None, *, fmt=None, model=None,
+                 text=None) -> dict:
+    """What identifies a point (its key is this dict's hash), by content, never by path: the
+    model (`model_identity`), the policy with every field (defaults included, so `budget=256`
+    and a policy default of 256 are one point; a new field such as a protocol mode joins by
+    itself), the format with every option resolved (`int4` and `int4 group=64` are one point),
+    the task (chunking included; its text file by the text's sha256 and the tokens scored),
+    the seed, the cache length, the speed probe, the sweep name and the code
+    (`code_identity`). W&B settings, paths, `force` and `progress` are left out; the cache
+    layout is part of the point only when it is not the default dense one."""
+    fmt = fmt if fmt is not None else build_format(spec.kv_dtype, dict(spec.kv_options))
+    task = {"name": spec.task.name, **dataclasses.asdict(spec.task)}
+    task.pop("text_file", None)
     point = {
-        "model": dataclasses.asdict(spec.model),
+        "model": model if model is not None else model_identity(spec.model),
         "policy": {"name": policy.name, **dataclasses.asdict(policy)},
         "kv_dtype": spec.kv_dtype,
-        "kv_options": dict(spec.kv_options),
-        "task": {"name": spec.task.name, **dataclasses.asdict(spec.task)},
+        "format": fmt.options(),
+        "task": task,
+        "text": text,
         "seed": spec.seed,
         "max_len": max_len,
         "speed": dataclasses.asdict(spec.speed),
         "sweep": spec.sweep,
+        "code": code_identity(),
     }
     if layout is not None and layout != get_layout("dense"):
         point["cache"] = {"layout": layout.name, **dataclasses.asdict(layout)}
@@ -390,22 +545,34 @@ def _int_if_whole(x):
     return int(x) if float(x).is_integer() else float(x)
 
 
-def cache_bytes(cfg, cache, fmt, max_len: int) -> dict:
-    """Measured bytes of one sequence's cache beside the closed form and the full f32 cache.
+def formula_bytes(cfg, cache) -> int | None:
+    """The cache's bytes by arithmetic (format formula + positions + stats, summed over layer
+    groups); None for a layout without a formula (paged)."""
+    parts = getattr(cache, "groups", (cache,))
+    if not all(hasattr(p, "formula_bytes") for p in parts):
+        return None
+    return sum(p.formula_bytes(cfg.head_dim) for p in parts)
 
-    `cache` is a real cache; with batch B > 1 every buffer with a batch
-    axis counts 1/B (all of k, v and their scales have one)."""
+
+def cache_bytes(cfg, cache, fmt, max_len: int) -> dict:
+    """Measured bytes of one sequence's cache beside its exact closed form, the textbook
+    payload 2·L·Hkv·D·C·bytes and the full f32 cache.
+
+    `cache` is a real cache; with batch B > 1 every buffer with a batch axis counts 1/B (all
+    but the per-layer nonfinite flags have one)."""
     B = cache.length.shape[0]
-    kv = cache.kv_nbytes() // B
     shared = int(np.asarray(cache.nonfinite).nbytes)
-    total = (cache.nbytes() - shared) // B + shared
+    def per_row(n):
+        return None if n is None else (n - shared) // B + shared
+
+    kv = cache.kv_nbytes() // B
     C = cache.capacity
     bpv = nominal_bytes_per_value(fmt)
     full_f32 = closed_form_bytes(cfg, max_len, 4.0)
     return {
-        "kv_bytes": int(kv), "total_bytes": int(total), "capacity": C,
-        "bytes_per_value": bpv,
-        "closed_form_bytes": None if bpv is None else _int_if_whole(closed_form_bytes(cfg, C, bpv)),
+        "kv_bytes": int(kv), "total_bytes": int(per_row(cache.nbytes())), "capacity": C,
+        "bytes_per_value": bpv, "closed_form_bytes": per_row(formula_bytes(cfg, cache)),
+        "payload_bytes": None if bpv is None else _int_if_whole(closed_form_bytes(cfg, C, bpv)),
         "full_f32_bytes": _int_if_whole(full_f32), "compression": full_f32 / kv,
     }
 
@@ -420,14 +587,19 @@ def baseline_dir(spec: RunSpec) -> Path:
 
 
 def baseline_key(plan_: Plan, text_sha: str) -> str:
-    ident = {"model": plan_.point["model"], "task": plan_.point["task"], "text_sha256": text_sha,
-             "seed": plan_.spec.seed, "baseline": f"{BASELINE_POLICY}/{BASELINE_FORMAT}"}
+    """The full-cache baseline's identity: the point's model, task, text and code (content,
+    like the point key), its seed."""
+    pt = plan_.point
+    ident = {"model": pt["model"], "task": pt["task"], "text_sha256": text_sha,
+             "seed": plan_.spec.seed, "code": pt["code"],
+             "baseline": f"{BASELINE_POLICY}/{BASELINE_FORMAT}"}
     return config_hash(ident)
 
 
 def is_baseline_point(plan_: Plan) -> bool:
-    return (plan_.policy.name == BASELINE_POLICY and plan_.spec.kv_dtype == BASELINE_FORMAT
-            and not plan_.spec.kv_options and plan_.layout == get_layout("dense"))
+    return (plan_.policy.name == BASELINE_POLICY
+            and plan_.fmt == build_format(BASELINE_FORMAT, {})
+            and plan_.layout == get_layout("dense"))
 
 
 def get_baseline(plan_: Plan, ctx: TaskContext, text_sha: str, result: TaskResult | None):
@@ -477,8 +649,12 @@ def environment() -> dict:
     }
 
 
-def git_info(repo: Path | None = None) -> dict:
-    """{"commit": sha or None, "dirty": bool or None} of the kvjax checkout."""
+CODE_PATHS = ("kvjax", "policies", "kernels", "run.py")
+
+
+def git_info(repo: Path | None = None, code_only: bool = False) -> dict:
+    """{"commit": sha or None, "dirty": bool or None} of the kvjax checkout (`code_only`:
+    dirty means uncommitted changes under CODE_PATHS)."""
     repo = repo or Path(__file__).resolve().parent.parent
 
     def git(*args):
@@ -486,7 +662,9 @@ def git_info(repo: Path | None = None) -> dict:
                               timeout=10, check=True).stdout.strip()
 
     try:
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+        paths = ("--", *CODE_PATHS) if code_only else ()
+        return {"commit": git("rev-parse", "HEAD"),
+                "dirty": bool(git("status", "--porcelain", *paths))}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
 
@@ -512,6 +690,8 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
     the task's (result, seconds) when `execute_shared` already ran it."""
     spec = plan_.spec
     store = ResultsStore(spec.results)
+    for problem in store.read()[1]:
+        echo(f"warning: results store {store.path}: skipping {problem}")
     if not spec.force:
         existing = store.find(plan_.key)
         if existing is not None:
@@ -520,18 +700,9 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
             return Outcome(None, False, skipped=True, existing=existing)
     for note in plan_.notes:
         echo(f"note: {note}")
-    try:
-        spec.task.check_prompts(load_tokenizer(spec.model), plan_.text, spec.seed)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     t_start = time.perf_counter()
     model = load(spec.model)
     cfg = model.cfg
-    if plan_.max_len > cfg.max_seq_len and spec.model.name != TINY:
-        raise ConfigError(
-            f"task {spec.task.name!r} needs {plan_.max_len} tokens, above the model's context "
-            f"length {cfg.max_seq_len}; shorten the task"
-        )
     text, source = plan_.text, plan_.text_source
     text_sha = sha256_text(text)
     ctx = TaskContext(model.params, cfg, model.tokenizer, plan_.policy, plan_.fmt,
@@ -567,7 +738,8 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "run_dir": str(run_dir.resolve()), "point": plan_.point, "config": spec.config,
         "model": {"name": spec.model.name, **dataclasses.asdict(cfg)},
-        "text": {"source": source, "sha256": text_sha, "n_chars": len(text)},
+        "text": {"source": source, "sha256": text_sha, "n_chars": len(text),
+                 "n_tokens": plan_.point["text"]["n_tokens"]},
         "metrics": metrics, "baseline_metrics": base,
         "cache": cache_bytes(cfg, probe_cache, plan_.fmt, plan_.max_len),
         "timings": timings, "env": environment(), "git": git_info(),
@@ -632,6 +804,11 @@ def run(spec: RunSpec, run_dir: str | os.PathLike, echo=print) -> Outcome:
         echo(format_table(out.record))
         echo(f"results store: {ResultsStore(spec.results).path}"
              + ("" if out.stored else " (a record with this key was already there)"))
+    elif out.existing is not None:
+        try:
+            echo(format_table(out.existing) + "\n(the stored record; force=true reruns it)")
+        except (KeyError, TypeError):
+            echo("(the stored record predates this table's fields)")
     return out
 
 
@@ -669,10 +846,12 @@ def format_table(record: dict) -> str:
     rows = [
         (m["metric"], _num(m["value"]),
          f"full cache {_num(m['baseline'])}, delta {_num(m['delta'], '+.4f')}"),
-        ("cache bytes (measured)", _fmt_bytes(c["kv_bytes"]),
-         f"k+v incl. scales; {_fmt_bytes(c['total_bytes'])} with positions and policy stats"),
-        ("cache bytes (closed form)", _fmt_bytes(c["closed_form_bytes"]),
-         f"2*L*Hkv*D*C*bytes, C={c['capacity']}, {c['bytes_per_value']} B/value"),
+        ("cache bytes (measured)", _fmt_bytes(c["total_bytes"]),
+         f"every buffer; k+v incl. scales {_fmt_bytes(c['kv_bytes'])}"),
+        ("cache bytes (closed form)", _fmt_bytes(c.get("closed_form_bytes")),
+         "format formula (values + scales/zero points + residual) + positions + stats"),
+        ("payload", _fmt_bytes(c.get("payload_bytes")),
+         f"2*L*Hkv*D*C*bytes, C={c['capacity']}, {c['bytes_per_value']} B/value (no metadata)"),
         ("compression", f"{c['compression']:.2f}x",
          f"vs a full f32 cache of {pt['max_len']} tokens ({_fmt_bytes(c['full_f32_bytes'])})"),
     ]

@@ -386,6 +386,20 @@ class KVFormat:
     def read(self, store: dict, layer, kind: str):
         raise NotImplementedError
 
+    def options(self) -> dict:
+        """The name and every option with defaults resolved (nested formats too): two formats
+        with equal options store identically, so a point's key uses this."""
+        out = {"name": self.name}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.options() if isinstance(v, KVFormat) else v
+        return out
+
+    def bytes_formula(self, L: int, B: int, K: int, C: int, E: int, kind: str) -> int:
+        """Exact bytes of the `kind` store of shape (L, B, K, C, E), by arithmetic: codes +
+        scales/zero points + full-precision residual (tested equal to the allocated bytes)."""
+        raise NotImplementedError
+
     def nbytes(self, shape) -> int:
         """Bytes of the key and value stores for `shape` (L, B, K, C, E), without allocating."""
         return sum(store_nbytes(jax.eval_shape(lambda k=k: self.init(shape, k))) for k in KINDS)
@@ -415,6 +429,9 @@ class _FloatFormat(KVFormat):
         _check_kind(kind)
         store_dtype = jnp.float32 if self.dtype == jnp.float32 else jnp.uint16
         return {"q": jnp.zeros(_check_shape(shape), store_dtype)}  # [L, B, K, C, E]
+
+    def bytes_formula(self, L, B, K, C, E, kind):
+        return L * B * K * C * E * np.dtype(self.dtype).itemsize  # f32: 4, bf16 bits: 2
 
     def write(self, store, layer, slots, x, kind):
         with jax.named_scope("kv_format_write"):
@@ -463,6 +480,10 @@ class _ScaledFormat(KVFormat):
             "q": jnp.zeros(shape, self.code_dtype),  # [L, B, K, C, E]
             "scale": jnp.zeros(shape[:-1] + (1,), META_DTYPE),  # [L, B, K, C, 1]
         }
+
+    def bytes_formula(self, L, B, K, C, E, kind):
+        meta = np.dtype(META_DTYPE).itemsize
+        return L * B * K * C * (E * np.dtype(self.code_dtype).itemsize + meta)  # codes + scale
 
     def write(self, store, layer, slots, x, kind):
         with jax.named_scope("kv_format_write"):
@@ -561,6 +582,10 @@ class _IntFormat(KVFormat):
         """Groups the key residual holds at once."""
         return (self.group if self.residual is None else self.residual) // self.group
 
+    def options(self) -> dict:
+        return {**super().options(), "residual": self.n_open * self.group,
+                "value_group": self.group_of("v")}
+
     def channel_keys(self, kind: str) -> bool:
         return kind == "k" and self.key_mode == "channel"
 
@@ -618,6 +643,17 @@ class _IntFormat(KVFormat):
             res_mask=jnp.zeros((L, B, K, S, g), bool),  # [L, B, K, S, g]
         )
         return store
+
+    def bytes_formula(self, L, B, K, C, E, kind):
+        """Packed codes (E·bits/8 per slot) + per-token scale and zero (E/g each); per-channel
+        keys add a scale and zero per channel per slot group (C/g · E each), the float32
+        residual of S = residual/g open groups, its group ids (int32) and slot mask (bool)."""
+        g, meta, N = self.group_of(kind), np.dtype(META_DTYPE).itemsize, L * B * K
+        total = N * C * (E * self.bits // 8 + 2 * (E // g) * meta)
+        if self.channel_keys(kind):
+            S = self.n_open
+            total += N * (2 * (C // g) * E * meta + S * g * E * 4 + S * 4 + S * g)
+        return total
 
     def write(self, store, layer, slots, x, kind):
         with jax.named_scope("kv_format_write"):
@@ -894,6 +930,14 @@ class Mixed(KVFormat):
         if ql and qh:
             store["base"] = self.base.init((len(ql), B, len(qh), C, E), kind)
         return store
+
+    def bytes_formula(self, L, B, K, C, E, kind):
+        """The parts `init` allocates: kept layers, kept heads of the other layers, the rest."""
+        kl, ql, kh, qh = self.layout(L, K)
+        keep = self.keep
+        return ((keep.bytes_formula(len(kl), B, K, C, E, kind) if kl else 0)
+                + (keep.bytes_formula(len(ql), B, len(kh), C, E, kind) if ql and kh else 0)
+                + (self.base.bytes_formula(len(ql), B, len(qh), C, E, kind) if ql and qh else 0))
 
     def _route(self, store, layer):
         """(kept?, row in "layers" or in "heads"/"base") of a traced layer index."""

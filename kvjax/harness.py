@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, run
+from kvjax.loading.hub import cache_root
 from kvjax.tasks import TASKS, get_task
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -71,6 +73,7 @@ class RunConf:
     baselines: str | None = None
     force: bool = False
     progress: bool | None = None
+    allow_dirty: bool = True
     xla_cache: str | None = None
     speed: SpeedConf = dataclasses.field(default_factory=SpeedConf)
     cache: CacheConf = dataclasses.field(default_factory=CacheConf)
@@ -78,9 +81,13 @@ class RunConf:
 
 
 def _omegaconf_type(t):
-    """tuple[X, ...] -> list[X] (OmegaConf holds sequences as lists)."""
+    """tuple[X, ...] -> list[X] (OmegaConf holds sequences as lists); a union of several types
+    (e.g. `int | str` for `length=all`) -> Any (OmegaConf has no unions; the task checks it)."""
     if typing.get_origin(t) is tuple:
         return list[typing.get_args(t)[0]]
+    several = len([a for a in typing.get_args(t) if a is not type(None)]) > 1
+    if typing.get_origin(t) in (typing.Union, types.UnionType) and several:
+        return Any
     return t
 
 
@@ -97,11 +104,16 @@ def task_schema(cls) -> type:
 
 
 def register_configs() -> None:
+    """Schemas live outside the config groups (a group's yaml pulls its schema in with
+    `/NAME_schema@_here_`), so `model=` and `task=` offer only real choices. `${kvjax_cache:X}`
+    is the model cache folder ($KVJAX_CACHE, else ~/.cache/kvjax) joined with X."""
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConf)
-    cs.store(group="model", name="model_schema", node=ModelConf)
+    cs.store(name="model_schema", node=ModelConf)
     for name, cls in TASKS.items():
-        cs.store(group="task", name=f"{name}_schema", node=task_schema(cls))
+        cs.store(name=f"{name}_schema", node=task_schema(cls))
+    OmegaConf.register_new_resolver("kvjax_cache", lambda sub="": str(cache_root() / sub),
+                                    replace=True)
 
 
 register_configs()
@@ -138,7 +150,7 @@ def spec_from_config(cfg: DictConfig) -> RunSpec:
         budget=c["budget"], ratio=c["ratio"], seed=c["seed"], max_len=c["max_len"], sweep=c["sweep"],
         speed=SpeedSpec(**c["speed"]), cache=tuple(c["cache"].items()), results=_abs(c["results"]),
         baselines=_abs(c["baselines"]), wandb=WandbSpec(**c["wandb"]), force=c["force"],
-        progress=c["progress"], config=c,
+        progress=c["progress"], allow_dirty=c["allow_dirty"], config=c,
     )
 
 
@@ -159,13 +171,34 @@ def set_xla_cache(path: str | None) -> None:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
 
 
+def run_log_echo():
+    """print, and the same line into the run's log file (Hydra's `run.log`) when there is one."""
+    log = logging.getLogger("kvjax.run")
+    log.propagate = False  # the console gets the print; the file handlers get the record
+    log.handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    log.setLevel(logging.INFO)
+
+    def echo(msg: str, file=None) -> None:
+        print(msg, file=file, flush=True)
+        log.info(msg)
+
+    return echo
+
+
 def main(cfg: DictConfig):
-    """One run from a composed config; a ConfigError exits with its message (status 2)."""
+    """One run from a composed config. A ConfigError exits with its message (status 2);
+    Ctrl-C exits with one line (status 130), nothing recorded and the store intact (records
+    are only ever appended whole, see `kvjax.results`)."""
     logging.getLogger("jax").setLevel(logging.WARNING)
+    echo = run_log_echo()
     try:
         spec = spec_from_config(cfg)
         set_xla_cache(cfg.xla_cache)
-        return run(spec, run_dir())
+        return run(spec, run_dir(), echo)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        echo(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        echo("interrupted: this point was not recorded; the results store is intact",
+             file=sys.stderr)
+        sys.exit(130)

@@ -61,12 +61,22 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` through a fsynced temporary file and os.replace."""
+    """Write `text` to `path` through a fsynced temporary file and os.replace. The file gets
+    the mode a plain `open` would (0666 minus the umask), not mkstemp's private 0600, so a
+    store shared by a group on a cluster stays readable and writable by it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

@@ -12,7 +12,7 @@ from kvjax.config import ModelConfig, tiny_config
 from kvjax.formats import get_format
 from kvjax.model import forward_jit as forward
 from kvjax.model import init_params
-from kvjax.policies import get_policy
+from kvjax.policies import compress_cache, get_policy
 
 GiB, MiB = 2**30, 2**20
 
@@ -43,6 +43,47 @@ def test_nbytes_is_the_sum_of_real_buffers():
         real = sum(np.asarray(x).nbytes for x in jax.tree.leaves(cache))
         assert cache.nbytes() == real
         assert KVCache.abstract(cfg, 2, get_policy("window", budget=16), fmt, 64).nbytes() == real
+
+
+BYTE_FORMATS = [("f32", {}), ("bf16", {}), ("fp8", {}), ("int8", {}), ("int4", {}), ("int2", {}),
+                ("int4", {"key_mode": "token"}), ("int4", {"keep_layers": (0,)}),
+                ("int8", {"keep_heads": (0,)})]
+BYTE_POLICIES = [("full", {}), ("window", {"budget": 128}), ("h2o", {"budget": 128}),
+                 ("lru", {"budget": 128}), ("streaming", {"budget": 128}),
+                 ("snapkv", {"budget": 128}), ("adakv", {"budget": 128}),
+                 ("pyramid", {"budget": 160})]  # groups of 256, 192, 128, 64 slots
+
+
+@pytest.mark.parametrize("name, opts", BYTE_FORMATS, ids=lambda x: str(x))
+def test_formula_bytes_equal_nbytes_for_every_format_and_policy(name, opts):
+    """The closed form the harness prints (format formula + positions + policy stats) is the
+    bytes of the real buffers, for per-head caches, a head pool (adakv) and layer groups
+    (pyramid)."""
+    cfg = tiny_config(head_dim=64, n_layers=4, max_seq_len=256)
+    fmt = get_format(name, **opts)
+    kinds = set()
+    for pname, popts in BYTE_POLICIES:
+        policy = get_policy(pname, **popts)
+        if policy.head_pool and "keep_heads" in opts:
+            with pytest.raises(ValueError, match="keep_heads"):
+                KVCache.init(cfg, 2, policy, fmt, 256)
+            continue
+        cache = KVCache.init(cfg, 2, policy, fmt, 256)
+        parts = getattr(cache, "groups", (cache,))
+        kinds |= {type(p).__name__ for p in parts} | {f"groups{len(parts)}"}
+        assert sum(p.formula_bytes(cfg.head_dim) for p in parts) == cache.nbytes(), pname
+    pool = set() if "keep_heads" in opts else {"HeadPool"}
+    assert kinds == {"KVCache", "groups1", "groups4"} | pool  # pyramid: 4 layer groups
+
+
+@pytest.mark.parametrize("name", ["f32", "int4"])
+def test_formula_bytes_of_a_compressed_head_pool(name):
+    """adasnapkv's after-prefill selection builds a head pool (`pool_from`): still exact."""
+    cfg = tiny_config(head_dim=64, n_layers=2, max_seq_len=256)
+    cache = KVCache.init(cfg, 1, get_policy("adasnapkv", budget=64), get_format(name), 256)
+    pool = compress_cache(cache)
+    assert type(pool).__name__ == "HeadPool"
+    assert pool.formula_bytes(cfg.head_dim) == pool.nbytes()
 
 
 def test_nonfinite_keys_raise_naming_the_layer():

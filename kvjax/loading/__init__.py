@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from kvjax.config import ModelConfig
-from kvjax.loading.gguf_loader import load_gguf, open_gguf
-from kvjax.loading.hf_loader import is_hf_dir, load_hf_dir
+from kvjax.loading.gguf_loader import config_from_gguf, load_gguf, open_gguf
+from kvjax.loading.hf_loader import config_from_hf, is_hf_dir, load_hf_dir
 from kvjax.loading.hub import (
     DEFAULT_MODEL,
     MODELS,
@@ -23,11 +24,30 @@ __all__ = [
     "MODELS",
     "Tokenizer",
     "fetch_model",
+    "load_config",
     "load_gguf",
     "load_hf_dir",
     "load_model",
     "load_tokenizer",
+    "locate",
 ]
+
+
+def locate(name_or_path, cache_dir=None) -> tuple[str, Path]:
+    """("gguf" | "hf", path) of a model: see `_resolve` (a registered name is fetched)."""
+    return _resolve(name_or_path, cache_dir)
+
+
+def load_config(
+    name_or_path: str | os.PathLike = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None
+) -> ModelConfig:
+    """The ModelConfig alone, from the GGUF header or config.json (no weights are read): for
+    checks that need the head dim or context length before a model loads."""
+    kind, path = _resolve(name_or_path, cache_dir)
+    if kind == "hf":
+        return config_from_hf(json.loads((path / "config.json").read_text()), path.name)
+    name = None if Path(name_or_path).expanduser().is_file() else get_spec(str(name_or_path)).name
+    return config_from_gguf(open_gguf(path), name=name)
 
 
 def _resolve(name_or_path, cache_dir) -> tuple[str, Path]:

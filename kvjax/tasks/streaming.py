@@ -12,23 +12,35 @@ from kvjax.cache import init_cache
 from kvjax.tasks.base import Task, TaskContext, bar, check_positive, chunked
 from kvjax.tasks.text import encode_prefix
 
+ALL = "all"  # task.length=all: the whole text (resolved to its token count before the model loads)
+
 
 @dataclasses.dataclass(frozen=True)
 class TextTask(Task):
-    """A task over the first `length` tokens of the text, fed in chunks of `chunk` tokens."""
+    """A task over the first `length` tokens of the text (or all of it: `length="all"`,
+    resolved to a count by `kvjax.experiment.plan`), fed in chunks of `chunk` tokens."""
 
     has_prompt = False
-    length: int = 1024
+    length: int | str = 1024
     chunk: int = 128
     text_file: str | None = None
 
     def seq_len(self) -> int:
+        if self.length == ALL:
+            raise ValueError(f"task {self.name!r}: length='all' is resolved against the text first")
         return self.length
 
     def ratio_length(self) -> int:
         return self.length
 
     def validate(self) -> None:
+        if self.length == ALL:
+            check_positive(self, chunk=self.chunk)
+            return
+        if isinstance(self.length, str):
+            raise ValueError(  # noqa: TRY004  (task settings errors are ValueErrors)
+                f"task {self.name!r}: length={self.length!r} must be a positive integer or "
+                f"{ALL!r} (the whole text)")
         check_positive(self, length=self.length, chunk=self.chunk)
         if self.length < 2:
             raise ValueError(f"task {self.name!r}: length={self.length} must be >= 2")

@@ -1,25 +1,26 @@
 """Texts the tasks read, and a character tokenizer for the tiny random-init model.
 
-The default text is CPython's own `pydoc_data.topics` prose: the topics dict's values in
-sorted-key order joined with no separator. It ships with every Python, so every run is
-reproducible offline; it differs between Python versions, so records store its sha256.
+The default text is a file shipped in the package, `kvjax/data/python_docs.txt` (CPython
+3.11's documentation topics, PSF license; source and how it was made: `python_docs.md` beside
+it), so it is the same bytes on every Python version and install. Records store its sha256.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
+from importlib import resources
 from pathlib import Path
 
-DEFAULT_SOURCE = "pydoc_data.topics"
+DEFAULT_SOURCE = "kvjax/data/python_docs.txt"
 
 
+@functools.lru_cache(maxsize=1)
 def default_text() -> str:
-    """CPython's `pydoc_data.topics` prose, values in sorted-key order, no separator."""
-    from pydoc_data import topics
-
-    return "".join(topics.topics[k] for k in sorted(topics.topics))
+    """The shipped default text (bytes decoded as UTF-8 exactly, no newline translation)."""
+    return (resources.files("kvjax") / "data" / "python_docs.txt").read_bytes().decode("utf-8")
 
 
 def load_text(text_file: str | None) -> tuple[str, str]:
