@@ -82,8 +82,8 @@ class SnapKV(Policy):
         prefix = (view.pos >= 0) & (view.pos < start)  # [B, K, C0]
         recent = (view.pos >= 0) & ~prefix
         obs = jnp.sum(view.stats["obs"], axis=-1)  # [B, K, C0]
-        if not self.per_head:  # one score per position: the mean over the kv heads
-            obs = jnp.broadcast_to(jnp.mean(obs, axis=1, keepdims=True), obs.shape)
+        if not self.per_head:  # one score per position over the kv heads (sum: mean's order)
+            obs = jnp.broadcast_to(jnp.sum(obs, axis=1, keepdims=True), obs.shape)
         return prefix, recent, pool_1d(obs, prefix, self.kernel, self.pool)
 
     def select(self, view, n_keep):

@@ -266,16 +266,17 @@ def test_bytes_are_those_of_budget_slots_per_head(fmt_name):
 
 def test_pyramid_over_adakv_gives_per_layer_and_per_head_budgets():
     """pyramid(inner=adakv): each layer group is a pool of its own size."""
-    policy = get_policy("pyramid", budget=8, ratio=3.0, n_groups=2, inner="adakv", window=2)
+    policy = get_policy("pyramid", budget=8, taper=3.0, n_groups=2, inner="adakv", window=2)
     cache = KVCache.init(CFG, 1, policy, FMT, MAX_LEN)
     assert all(isinstance(g, HeadPool) for g in cache.groups)
-    assert [g.pos.shape[-1] for g in cache.groups] == [2 * b for b in policy.budgets()]
+    budgets = policy.budgets(CFG.n_layers, MAX_LEN)
+    assert [g.pos.shape[-1] for g in cache.groups] == [2 * b for b in budgets]
     for _ in range(8):
         logits, cache = model_step(params(), jnp.ones((1, 3), jnp.int32), cache, CFG,
                                    jnp.asarray([3], jnp.int32))
     assert np.isfinite(np.asarray(logits)).all()
     per_layer = np.asarray(cache.head_slots()).sum(-1)[:, 0]  # [L] over all groups
-    assert per_layer.tolist() == [2 * b for b in policy.budgets()]
+    assert per_layer.tolist() == [2 * b for b in budgets]
 
 
 # ----------------------------------------------------------------------------- bad input

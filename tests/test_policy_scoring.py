@@ -367,8 +367,8 @@ def test_snapkv_head_averaged_selection():
     A, _, cache, lengths = prefill_compress(policy, B, K, E, N, 0, 9)
     after = kept_sets(cache)
     for b in range(B):
-        mean = A[b].mean(axis=0, keepdims=True)  # the heads' mean, then pooled
-        want = snapkv_reference(mean, lengths[b], budget, window, 3, "max")[0]
+        total = A[b].sum(axis=0, keepdims=True)  # over the heads (exact), then pooled
+        want = snapkv_reference(total, lengths[b], budget, window, 3, "max")[0]
         assert after[b] == [want] * K, f"row {b}"
         assert len({tuple(h) for h in kept_sets(prefill_compress(
             get_policy("snapkv", budget=budget, window=window, kernel=3), B, K, E, N, 0,

@@ -223,12 +223,19 @@ def test_compress_mode_policy_is_compressed_after_the_prompt(tiny):
 
 
 def test_prefill_reads_the_whole_prompt_by_default(tiny):
-    """chunk=None (the default) feeds each prompt in one forward: an evict-mode policy then
-    scores the whole prompt before it evicts, unlike a chunked prefill that evicts at every
-    boundary (the difference the docs promise)."""
-    ctx = ctx_for(tiny, "h2o", max_len=420, budget=48, window=8)
-    task = get_task("passkey", length=400, n_samples=1, new_tokens=2)
+    """chunk=None (the tasks' default) feeds each prompt in one forward: an evict-mode policy
+    then sees the whole prompt before it evicts, so the prompt's last logits are the full
+    cache's; a chunked prefill evicts at every boundary and its later chunks read the evicted
+    cache (the difference the docs promise)."""
+    from kvjax.generate import start
+
+    task = get_task("passkey", length=400, n_samples=1, new_tokens=7)
     assert task.chunk is None
-    whole = task.run(ctx).cache
-    chunked = dataclasses.replace(task, chunk=64).run(ctx).cache
-    assert not np.array_equal(np.asarray(whole.pos), np.asarray(chunked.pos))
+    prompt = [list(np.random.default_rng(0).integers(0, tiny.cfg.vocab_size, 400))]
+    h2o, f32 = get_policy("h2o", budget=48, window=8), get_format("f32")
+    full, _ = start(tiny.params, tiny.cfg, prompt, get_policy("full"), f32, max_len=420)
+    whole, cache = start(tiny.params, tiny.cfg, prompt, h2o, f32, max_len=420)
+    chunked, _ = start(tiny.params, tiny.cfg, prompt, h2o, f32, max_len=420, chunk=64)
+    assert cache.capacity == 48
+    np.testing.assert_allclose(whole, full, atol=1e-5)
+    assert np.abs(np.asarray(chunked) - np.asarray(full)).max() > 1e-3
