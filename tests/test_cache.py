@@ -12,7 +12,7 @@ from kvjax.config import ModelConfig, tiny_config
 from kvjax.formats import get_format
 from kvjax.model import forward_jit as forward
 from kvjax.model import init_params
-from kvjax.policies import compress_cache, get_policy
+from kvjax.policies import get_policy
 
 GiB, MiB = 2**30, 2**20
 
@@ -78,10 +78,11 @@ def test_formula_bytes_equal_nbytes_for_every_format_and_policy(name, opts):
 
 @pytest.mark.parametrize("name", ["f32", "int4"])
 def test_formula_bytes_of_a_compressed_head_pool(name):
-    """adasnapkv's after-prefill selection builds a head pool (`pool_from`): still exact."""
+    """adasnapkv's compress-mode selection builds a head pool (`kvjax.cache.rebuild`): still
+    exact, with room for 16 more tokens per head."""
     cfg = tiny_config(head_dim=64, n_layers=2, max_seq_len=256)
     cache = KVCache.init(cfg, 1, get_policy("adasnapkv", budget=64), get_format(name), 256)
-    pool = compress_cache(cache)
+    pool = cache.replace(length=jnp.asarray([200], jnp.int32)).compress(16)
     assert type(pool).__name__ == "HeadPool"
     assert pool.formula_bytes(cfg.head_dim) == pool.nbytes()
 
@@ -94,3 +95,15 @@ def test_nonfinite_keys_raise_naming_the_layer():
         cfg, 1, get_policy("full"), get_format("f32"), 16), cfg)
     with pytest.raises(FloatingPointError, match=r"layer\(s\) \[1, 2\]"):
         cache.check_finite()
+
+
+def test_the_cache_does_not_import_the_policies():
+    """The cache builds caches and policies only choose: kvjax.cache imports no policy code
+    (policies import the cache's LayerView), so there is no import cycle between them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvjax.cache, kvjax.formats; "
+            "assert not [m for m in sys.modules if m.startswith('kvjax.policies')], "
+            "[m for m in sys.modules if m.startswith('kvjax.policies')]")
+    subprocess.run([sys.executable, "-c", code], check=True)
