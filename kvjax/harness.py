@@ -19,7 +19,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, run
+from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, plan, run
+from kvjax.results import ResultsStore, record_failure
 from kvjax.tasks import TASKS, get_task
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -158,13 +159,34 @@ def set_xla_cache(path: str | None) -> None:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
 
 
+def in_sweep() -> bool:
+    """Whether this job is one point of `run.py -m`."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def main(cfg: DictConfig):
-    """One run from a composed config; a ConfigError exits with its message (status 2)."""
+    """One run from a composed config; a ConfigError exits with its message (status 2).
+
+    A point that fails after it was planned is stored as a failure record (the report lists
+    it); in a sweep its error is raised to Hydra, so a sweeper that continues past failing
+    points (the basic one runs its whole batch) does so."""
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         spec = spec_from_config(cfg)
-        set_xla_cache(cfg.xla_cache)
-        return run(spec, run_dir())
+        planned = plan(spec)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    try:
+        set_xla_cache(cfg.xla_cache)
+        return run(spec, run_dir())
+    except Exception as e:
+        record_failure(ResultsStore(spec.results), key=planned.key, point=planned.point,
+                       sweep=spec.sweep, error=e, run_dir=run_dir())
+        if isinstance(e, ConfigError) and not in_sweep():
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        raise
