@@ -66,3 +66,12 @@ def test_rewrite_replaces_each_marked_block_with_its_commands_output():
     assert docs_examples.rewrite(new, lambda cmd: f"out of {cmd}") == new
     with pytest.raises(ValueError, match="1 docs_example markers but 0 complete blocks"):
         docs_examples.rewrite("<!-- docs_example: python run.py -->\n```\nx\n```\n", str)
+
+
+def test_ci_runs_the_readme_test_command_in_parallel():
+    """.ci/run runs exactly the README's test command, and that command uses xdist."""
+    readme = [ln for ln in README.splitlines() if ln.startswith('pip install -e ".[dev]" && ')]
+    test_cmd = next(ln.split("#")[0].strip() for ln in readme if " pytest" in ln)
+    assert test_cmd == 'pip install -e ".[dev]" && pytest -n auto'
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == test_cmd
