@@ -132,6 +132,24 @@ def test_main_exits_with_the_error_message(capsys, monkeypatch):
     assert "error: unknown kv_dtype 'int3'" in capsys.readouterr().err
 
 
+def test_main_stores_a_failure_after_planning_and_raises_it(tmp_path, monkeypatch):
+    """A run that fails after `plan` leaves a failure record with the point's key; a bad
+    config (refused by `plan`) leaves nothing."""
+    def boom(spec, run_dir):
+        raise RuntimeError("device out of memory")
+
+    monkeypatch.setattr(harness, "run", boom)
+    cfg = cfg_of(*TINY, f"results={tmp_path}/r.jsonl")
+    with pytest.raises(RuntimeError, match="device out of memory"):
+        harness.main(cfg)
+    (failed,) = ResultsStore(tmp_path / "r.jsonl").records()
+    assert failed["status"] == "failed" and failed["error"] == "RuntimeError: device out of memory"
+    assert failed["key"] == plan(harness.spec_from_config(cfg)).key
+    with pytest.raises(SystemExit):
+        harness.main(cfg_of(*TINY, "kv_dtype=int3", f"results={tmp_path}/bad.jsonl"))
+    assert not (tmp_path / "bad.jsonl").exists()
+
+
 def test_point_key_ignores_volatile_settings_and_dedupes_equivalent_points(tmp_path):
     key = lambda *o: plan(spec_of(*o)).key
     base = key("policy=lru", "kv_dtype=int4")
