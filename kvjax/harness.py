@@ -171,8 +171,9 @@ def main(cfg: DictConfig):
     """One run from a composed config; a ConfigError exits with its message (status 2).
 
     A point that fails after it was planned is stored as a failure record (the report lists
-    it); in a sweep its error is raised to Hydra, so a sweeper that continues past failing
-    points (the basic one runs its whole batch) does so."""
+    it; a single run's bad input, found after planning, is only its error) and its error is
+    raised to Hydra, so a sweeper that continues past failing points (the basic one runs its
+    whole batch) does so."""
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         spec = spec_from_config(cfg)
@@ -184,9 +185,9 @@ def main(cfg: DictConfig):
         set_xla_cache(cfg.xla_cache)
         return run(spec, run_dir())
     except Exception as e:
-        record_failure(ResultsStore(spec.results), key=planned.key, point=planned.point,
-                       sweep=spec.sweep, error=e, run_dir=run_dir())
-        if isinstance(e, ConfigError) and not in_sweep():
+        if isinstance(e, ConfigError) and not in_sweep():  # bad input to one run: no record
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        record_failure(ResultsStore(spec.results), key=planned.key, point=planned.point,
+                       sweep=spec.sweep, error=e, run_dir=run_dir())
         raise

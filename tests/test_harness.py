@@ -134,7 +134,7 @@ def test_main_exits_with_the_error_message(capsys, monkeypatch):
 
 def test_main_stores_a_failure_after_planning_and_raises_it(tmp_path, monkeypatch):
     """A run that fails after `plan` leaves a failure record with the point's key; a bad
-    config (refused by `plan`) leaves nothing."""
+    config (refused by `plan`, or a single run's prompt check) leaves nothing."""
     def boom(spec, run_dir):
         raise RuntimeError("device out of memory")
 
@@ -147,7 +147,11 @@ def test_main_stores_a_failure_after_planning_and_raises_it(tmp_path, monkeypatc
     assert failed["key"] == plan(harness.spec_from_config(cfg)).key
     with pytest.raises(SystemExit):
         harness.main(cfg_of(*TINY, "kv_dtype=int3", f"results={tmp_path}/bad.jsonl"))
-    assert not (tmp_path / "bad.jsonl").exists()
+    monkeypatch.setattr(harness, "run", lambda *a: experiment.run(spec_of(
+        *TINY, "task=passkey", "task.length=20", tmp=tmp_path), tmp_path / "run"))
+    with pytest.raises(SystemExit) as e:  # one run's bad input found after planning
+        harness.main(cfg_of(*TINY, f"results={tmp_path}/bad.jsonl"))
+    assert e.value.code == 2 and not (tmp_path / "bad.jsonl").exists()
 
 
 def test_point_key_ignores_volatile_settings_and_dedupes_equivalent_points(tmp_path):
