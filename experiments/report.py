@@ -106,9 +106,14 @@ def group_of(record: dict) -> Group:
     pt = record["point"]
     model = pt.get("model") or {}
     name = str(model.get("name", "unknown"))
-    extra = {k: v for k, v in model.items() if k != "name" and v not in (0, {}, None)}
-    if extra:
-        name += "(" + ",".join(f"{k}={v}" for k, v in sorted(extra.items())) + ")"
+    extra = {k: v for k, v in model.items() if k != "name" and v not in (0, {}, [], None)}
+    overrides = extra.pop("overrides", None)  # [[key, value], ...] as a RunSpec stores them
+    parts = [f"{k}={v}" for k, v in sorted(extra.items())]
+    if isinstance(overrides, dict):
+        overrides = sorted(overrides.items())
+    parts += [f"{k}={v}" for k, v in overrides or ()]
+    if parts:
+        name += "(" + ",".join(parts) + ")"
     task = pt["task"]
     length = task.get("length", task.get("lengths", pt.get("max_len")))
     return Group(
