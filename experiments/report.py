@@ -4,9 +4,12 @@ Writes into one directory (default reports/<sweep or all>/):
 
 * report.md: the Pareto plots, needle heatmaps and the full table, PNGs beside it;
 * report.html: the same, self-contained (PNGs embedded);
-* pareto_<task>.png: quality against measured cache bytes, one line per policy (points sorted
-  by bytes), one marker per kv format, the full-cache baseline dashed;
-* needle_<policy>_<format>_b<budget>_<key>.png: each needle run's depth x length accuracy grid.
+* pareto_<task>_<model>_L<length>_<layout>_<mode>_<text>.png: one plot per group of comparable
+  runs, those of one (model, task, text sha256, length, cache layout, policy mode): quality
+  against measured cache bytes, one line per policy (its Pareto frontier), one marker per kv
+  format, each point labelled with its budget, the group's own full-cache baseline dashed;
+* needle_<policy>_<format>_b<budget>_<key>.png: each needle run's depth x length accuracy grid;
+* a list of failed runs (records with status "failed") with their errors.
 
 Records are narrowed with --sweep NAME and --where path=value (paths into the record's point,
 e.g. policy.name=h2o, task.name=needle, kv_dtype=int4); a point run more than once counts once
@@ -24,6 +27,7 @@ import re
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import matplotlib
 
@@ -32,11 +36,13 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator
 
-from kvjax.results import ResultsStore, summary_row
+from kvjax.results import ResultsStore, is_failure, summary_row
 
 MARKERS = {"f32": "o", "bf16": "s", "fp8": "^", "int8": "D", "int4": "v", "int2": "P"}
 EXTRA_MARKERS = "X*hp<>8"
 POINT_GID = "point"
+BUDGET_GID = "budget"
+BASELINE_GID = "baseline"
 
 
 # ----------------------------------------------------------------------------- selecting
@@ -69,6 +75,64 @@ def select(records: list[dict], sweep: str | None = None, where: list[str] = ())
     return list(latest.values())
 
 
+class Group(NamedTuple):
+    """What makes runs comparable: same model, task, text, length, cache layout, policy mode."""
+
+    model: str
+    task: str
+    text: str
+    length: Any
+    layout: str
+    mode: str
+
+    def title(self) -> str:
+        length = "/".join(map(str, self.length)) if isinstance(self.length, tuple) else self.length
+        return (f"{self.task} | {self.model} | length {length} | {self.layout} | {self.mode} | "
+                f"text {self.text[:8]}")
+
+    def slug(self) -> str:
+        length = "-".join(map(str, self.length)) if isinstance(self.length, tuple) else self.length
+        return _slug(f"pareto_{self.task}_{self.model}_L{length}_{self.layout}_{self.mode}_"
+                     f"{self.text[:8]}")
+
+
+def _hashable(v):
+    return tuple(_hashable(x) for x in v) if isinstance(v, list) else v
+
+
+def group_of(record: dict) -> Group:
+    """The comparable group of a record; fields missing from older records read as defaults
+    (no text hash: "unknown"; no cache layout: dense; no policy mode: evict)."""
+    pt = record["point"]
+    model = pt.get("model") or {}
+    name = str(model.get("name", "unknown"))
+    extra = {k: v for k, v in model.items() if k != "name" and v not in (0, {}, [], None)}
+    overrides = extra.pop("overrides", None)  # [[key, value], ...] as a RunSpec stores them
+    parts = [f"{k}={v}" for k, v in sorted(extra.items())]
+    if isinstance(overrides, dict):
+        overrides = sorted(overrides.items())
+    parts += [f"{k}={v}" for k, v in overrides or ()]
+    if parts:
+        name += "(" + ",".join(parts) + ")"
+    task = pt["task"]
+    length = task.get("length", task.get("lengths", pt.get("max_len")))
+    return Group(
+        model=name, task=task["name"],
+        text=str((record.get("text") or {}).get("sha256") or "unknown"),
+        length=_hashable(length),
+        layout=str((pt.get("cache") or {}).get("layout", "dense")),
+        mode=str(pt["policy"].get("mode") or "evict"),
+    )
+
+
+def groups(records: list[dict]) -> dict[Group, list[dict]]:
+    """Records by comparable group, groups in a stable order."""
+    out = defaultdict(list)
+    for r in records:
+        out[group_of(r)].append(r)
+    return dict(sorted(out.items(), key=lambda kv: tuple(map(str, kv[0]))))
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -99,14 +163,15 @@ def frontier(points: list[tuple[float, float]], higher_is_better: bool) -> list[
     return out
 
 
-def pareto_figure(records: list[dict], task: str):
-    """Quality vs measured cache bytes for one task's records.
+def pareto_figure(recs: list[dict], title: str):
+    """Quality vs measured cache bytes for one group of comparable records (see `group_of`).
 
-    Every run is a marker (shape = kv format, colour = policy); each policy's line joins its
-    Pareto frontier. Returns (figure, points), one dict per plotted point; each marker is a
-    Line2D with gid "point" and label "policy|kv_dtype|budget", so tests can read the artists.
+    Every run is a marker (shape = kv format, colour = policy) with its budget written beside
+    it; each policy's line joins its Pareto frontier; the group's full-cache baseline is a
+    dashed line. Returns (figure, points), one dict per plotted point; each marker is a Line2D
+    with gid "point" and label "policy|kv_dtype|budget", each budget label a Text with gid
+    "budget", each baseline a Line2D with gid "baseline", so tests can read the artists.
     """
-    recs = [r for r in records if r["point"]["task"]["name"] == task]
     metric = recs[0]["metrics"]["metric"]
     higher = bool(recs[0]["metrics"].get("higher_is_better"))
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
@@ -122,14 +187,18 @@ def pareto_figure(records: list[dict], task: str):
             fmt, budget = r["point"]["kv_dtype"], r["point"]["policy"].get("budget")
             ax.plot([x], [y], linestyle="none", marker=marker_for(fmt, extra), color=color,
                     markersize=7, gid=POINT_GID, label=f"{policy}|{fmt}|{budget}")
+            if budget is not None:
+                ax.annotate(str(budget), (x, y), xytext=(4, 4), textcoords="offset points",
+                            fontsize=7, color=color, gid=BUDGET_GID)
             points.append({"policy": policy, "kv_dtype": fmt, "budget": budget, "x": x, "y": y,
                            "key": r["key"]})
         front = frontier([(p["x"], p["y"]) for p in points if p["policy"] == policy], higher)
         ax.plot([p[0] for p in front], [p[1] for p in front], "-", color=color, alpha=0.6)
         handles.append(Line2D([], [], color=color, label=policy))
-    baselines = {r["metrics"].get("baseline") for r in recs} - {None}
-    if len(baselines) == 1:
-        ax.axhline(baselines.pop(), color="gray", linestyle="--", linewidth=1)
+    baselines = sorted({r["metrics"].get("baseline") for r in recs} - {None})
+    for b in baselines:  # one per task setting in the group (chunk, seed, ...)
+        ax.axhline(b, color="gray", linestyle="--", linewidth=1, gid=BASELINE_GID)
+    if baselines:
         handles.append(Line2D([], [], color="gray", linestyle="--", label="full cache (f32)"))
     for f in sorted({p["kv_dtype"] for p in points}):
         handles.append(Line2D([], [], linestyle="none", marker=marker_for(f, extra),
@@ -140,7 +209,7 @@ def pareto_figure(records: list[dict], task: str):
     ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax.set_xlabel("KV cache bytes per sequence (measured, k+v with scales)")
     ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
-    ax.set_title(f"{task}: {metric} vs cache memory")
+    ax.set_title(f"{metric} vs cache memory\n{title}", fontsize=9)
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     return fig, points
@@ -180,7 +249,8 @@ def _cell(v) -> str:
 
 
 def markdown_table(records: list[dict]) -> str:
-    rows = [summary_row(r) | {"sweep": r.get("sweep"), "created": r.get("created")}
+    rows = [summary_row(r) | {"layout": group_of(r).layout, "mode": group_of(r).mode,
+                              "sweep": r.get("sweep"), "created": r.get("created")}
             for r in sorted(records, key=_order)]
     if not rows:
         return "_no records_\n"
@@ -193,7 +263,20 @@ def markdown_table(records: list[dict]) -> str:
 def _order(r):
     pt = r["point"]
     b = pt["policy"].get("budget")
-    return (pt["task"]["name"], pt["policy"]["name"], pt["kv_dtype"], -1 if b is None else b)
+    return (pt["task"]["name"], pt["policy"]["name"], str(pt.get("kv_dtype")),
+            -1 if b is None else b)
+
+
+def failures_table(failed: list[dict]) -> str:
+    """The failed runs: what they were and the error each raised."""
+    lines = ["| task | policy | kv_dtype | budget | sweep | key | error |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(failed, key=_order):
+        pt = r["point"]
+        cells = [pt["task"]["name"], pt["policy"]["name"], pt.get("kv_dtype"),
+                 pt["policy"].get("budget"), r.get("sweep"), r["key"],
+                 str(r.get("error", "")).replace("|", "/").replace("\n", " ")]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- the report
@@ -209,23 +292,26 @@ def build_report(store_path, out_dir, sweep: str | None = None, where=(), echo=p
     records, problems = store.read()
     for p in problems:
         echo(f"warning: {store.path}: skipped {p}", file=sys.stderr)
-    records = select(records, sweep, list(where))
+    selected = select(records, sweep, list(where))
+    records = [r for r in selected if not is_failure(r)]
+    failed = [r for r in selected if is_failure(r)]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     title = f"kvjax report: {sweep or 'all runs'}"
     md = [f"# {title}\n", f"Store: `{store.path}`, {len(records)} point(s)"
+          + (f", {len(failed)} failed" if failed else "")
           + (f", filter {' '.join(where)}" if where else "") + ".\n"]
     if problems:
         md.append("Skipped store lines: " + "; ".join(str(p) for p in problems) + ".\n")
     images, pareto = [], {}
-    for task in sorted({r["point"]["task"]["name"] for r in records}):
-        fig, points = pareto_figure(records, task)
-        name = f"pareto_{_slug(task)}.png"
+    for group, recs in groups(records).items():
+        fig, points = pareto_figure(recs, group.title())
+        name = f"{group.slug()}.png"
         fig.savefig(out / name, dpi=120, bbox_inches="tight")
         plt.close(fig)
-        pareto[task] = points
+        pareto[group] = points
         images.append(name)
-        md += [f"## {task}: quality vs cache bytes\n", f"![pareto {task}]({name})\n"]
+        md += [f"## {group.title()}\n", f"![pareto {group.task}]({name})\n"]
     needles = sorted((r for r in records if r["point"]["task"]["name"] == "needle"), key=_order)
     if needles:
         md.append("## Needle in a haystack: accuracy by depth and length\n")
@@ -239,11 +325,13 @@ def build_report(store_path, out_dir, sweep: str | None = None, where=(), echo=p
         images.append(name)
         md.append(f"![needle {pt['policy']['name']} {pt['kv_dtype']}]({name})\n")
     md += ["## All runs\n", markdown_table(records)]
+    if failed:
+        md += ["## Failed runs\n", failures_table(failed)]
     text = "\n".join(md)
     (out / "report.md").write_text(text, encoding="utf-8")
     (out / "report.html").write_text(to_html(title, text, out), encoding="utf-8")
-    return {"dir": out, "records": records, "problems": problems, "images": images,
-            "pareto": pareto}
+    return {"dir": out, "records": records, "failed": failed, "problems": problems,
+            "images": images, "pareto": pareto}
 
 
 def to_html(title: str, markdown: str, img_dir: Path) -> str:
@@ -297,6 +385,11 @@ def build_wandb_report(records: list[dict], project: str, entity: str, sweep: st
     )
 
 
+def default_out(sweep: str | None) -> str:
+    """The report directory when --out is not given."""
+    return f"reports/{_slug(sweep or 'all')}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -313,14 +406,17 @@ def main(argv=None) -> int:
         print(f"error: no results store at {args.store} (run `python run.py` first)",
               file=sys.stderr)
         return 2
-    out = args.out or f"reports/{_slug(args.sweep or 'all')}"
+    out = args.out or default_out(args.sweep)
     try:
         res = build_report(args.store, out, args.sweep, args.where, echo=print)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"report: {res['dir'] / 'report.md'} ({len(res['records'])} points, "
-          f"{len(res['images'])} images, {len(res['problems'])} skipped lines)")
+          f"{len(res['failed'])} failed, {len(res['images'])} images, "
+          f"{len(res['problems'])} skipped lines)")
+    for r in res["failed"]:
+        print(f"failed: {r['key']} ({r.get('sweep')}): {r.get('error')}")
     if args.wandb:
         import wandb
 

@@ -796,9 +796,11 @@ def execute_shared(plans: list[Plan], run_dirs, echo=print) -> list[Outcome]:
     return [execute(p, d, echo, done.get(i)) for i, (p, d) in enumerate(zip(plans, run_dirs))]
 
 
-def run(spec: RunSpec, run_dir: str | os.PathLike, echo=print) -> Outcome:
-    """plan + execute + print the table (the whole of `python run.py`, without Hydra)."""
-    p = plan(spec)
+def run(spec: RunSpec | Plan, run_dir: str | os.PathLike, echo=print) -> Outcome:
+    """plan (unless given a Plan) + execute + print the table (the whole of `python run.py`,
+    without Hydra)."""
+    p = spec if isinstance(spec, Plan) else plan(spec)
+    spec = p.spec
     out = execute(p, run_dir, echo)
     if out.record is not None:
         echo(format_table(out.record))

@@ -20,8 +20,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, run
+from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, plan, run
 from kvjax.loading.hub import cache_root
+from kvjax.results import ResultsStore, record_failure
 from kvjax.tasks import TASKS, get_task
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -185,20 +186,41 @@ def run_log_echo():
     return echo
 
 
+def in_sweep() -> bool:
+    """Whether this job is one point of `run.py -m`."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def main(cfg: DictConfig):
-    """One run from a composed config. A ConfigError exits with its message (status 2);
-    Ctrl-C exits with one line (status 130), nothing recorded and the store intact (records
-    are only ever appended whole, see `kvjax.results`)."""
+    """One run from a composed config; a ConfigError exits with its message (status 2).
+
+    A point that fails after it was planned is stored as a failure record (the report lists
+    it; a single run's bad input, found after planning, is only its error) and its error is
+    raised to Hydra, so a sweeper that continues past failing points (the basic one runs its
+    whole batch) does so. Ctrl-C exits with one line (status 130), nothing recorded and the
+    store intact (records are only ever appended whole, see `kvjax.results`)."""
     logging.getLogger("jax").setLevel(logging.WARNING)
     echo = run_log_echo()
     try:
         spec = spec_from_config(cfg)
-        set_xla_cache(cfg.xla_cache)
-        return run(spec, run_dir(), echo)
+        planned = plan(spec)
     except ConfigError as e:
         echo(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    try:
+        set_xla_cache(cfg.xla_cache)
+        return run(planned, run_dir(), echo)
     except KeyboardInterrupt:
         echo("interrupted: this point was not recorded; the results store is intact",
              file=sys.stderr)
         sys.exit(130)
+    except Exception as e:
+        if isinstance(e, ConfigError) and not in_sweep():  # bad input to one run: no record
+            echo(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        record_failure(ResultsStore(spec.results), key=planned.key, point=planned.point,
+                       sweep=spec.sweep, error=e, run_dir=run_dir())
+        raise

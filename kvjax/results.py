@@ -9,12 +9,18 @@ through unchanged, so no other record is ever lost.
 
 A run's key is the sha256 of its canonical point config (see `kvjax.experiment.point_config`):
 volatile settings (W&B mode, paths, progress) are not part of it.
+
+A point that fails while it runs is stored too, as a record with `status: "failed"` and the
+error (`record_failure`), so a sweep that continues past it leaves a trace the report lists.
+A failed record does not count as done: the point runs again, and its record replaces the
+failure.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import fcntl
 import hashlib
 import json
@@ -28,6 +34,12 @@ from typing import Any
 
 SCHEMA = 1
 WANDB_MODES = ("offline", "online", "disabled")
+FAILED = "failed"
+
+
+def is_failure(record: dict) -> bool:
+    """A record of a point that raised while it ran (no metrics)."""
+    return record.get("status") == FAILED
 
 
 def canonical_json(obj: Any) -> str:
@@ -153,22 +165,25 @@ class ResultsStore:
         return records
 
     def find(self, key: str) -> dict | None:
-        """The last record with this key, or None."""
-        found = [r for r in self.records(warn=False) if r.get("key") == key]
+        """The last finished record with this key, or None (failures do not count)."""
+        found = [r for r in self.records(warn=False)
+                 if r.get("key") == key and not is_failure(r)]
         return found[-1] if found else None
 
     def done_keys(self) -> set[str]:
-        return {r["key"] for r in self.records(warn=False)}
+        return {r["key"] for r in self.records(warn=False) if not is_failure(r)}
 
     def append(self, record: dict, replace: bool = False) -> bool:
         """Add one record atomically. If its key is already stored: nothing is written and the
-        result is False, or with `replace` the old line(s) of that key give way to this one."""
+        result is False, or with `replace` the old line(s) of that key give way to this one.
+        A stored failure of the key always gives way."""
         line = json.dumps(to_jsonable(record), sort_keys=True, allow_nan=False)
         with self.lock():
             kept = []
             for existing in self._lines():
-                if _key_of(existing) == record["key"]:
-                    if not replace:
+                key, failed = _key_of(existing)
+                if key == record["key"]:
+                    if not (replace or failed):
                         return False
                     continue
                 kept.append(existing)
@@ -176,12 +191,25 @@ class ResultsStore:
         return True
 
 
-def _key_of(line: str) -> str | None:
+def _key_of(line: str) -> tuple[str | None, bool]:
+    """(key, is a failure record) of a store line; (None, False) for a corrupt one."""
     try:
         rec = json.loads(line)
     except json.JSONDecodeError:
-        return None
-    return rec.get("key") if isinstance(rec, dict) else None
+        return None, False
+    return (rec.get("key"), is_failure(rec)) if isinstance(rec, dict) else (None, False)
+
+
+def record_failure(store: ResultsStore, *, key: str, point: dict, sweep: str | None,
+                   error: BaseException, run_dir: str | os.PathLike) -> bool:
+    """Store that the point `key` raised `error` while it ran (never over a finished record)."""
+    record = {
+        "schema": SCHEMA, "key": key, "status": FAILED, "sweep": sweep,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "run_dir": str(Path(run_dir).resolve()), "point": point,
+        "error": f"{type(error).__name__}: {error}",
+    }
+    return store.append(record)
 
 
 def log_wandb(record: dict, result, *, mode: str, project: str, entity: str | None,

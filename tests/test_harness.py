@@ -133,6 +133,28 @@ def test_main_exits_with_the_error_message(capsys, monkeypatch):
     assert "error: unknown kv_dtype 'int3'" in capsys.readouterr().err
 
 
+def test_main_stores_a_failure_after_planning_and_raises_it(tmp_path, monkeypatch):
+    """A run that fails after `plan` leaves a failure record with the point's key; a bad
+    config (refused by `plan`, or a single run's prompt check) leaves nothing."""
+    def boom(spec, run_dir):
+        raise RuntimeError("device out of memory")
+
+    monkeypatch.setattr(harness, "run", boom)
+    cfg = cfg_of(*TINY, f"results={tmp_path}/r.jsonl")
+    with pytest.raises(RuntimeError, match="device out of memory"):
+        harness.main(cfg)
+    (failed,) = ResultsStore(tmp_path / "r.jsonl").records()
+    assert failed["status"] == "failed" and failed["error"] == "RuntimeError: device out of memory"
+    assert failed["key"] == plan(harness.spec_from_config(cfg)).key
+    with pytest.raises(SystemExit):
+        harness.main(cfg_of(*TINY, "kv_dtype=int3", f"results={tmp_path}/bad.jsonl"))
+    monkeypatch.setattr(harness, "run", lambda *a: experiment.run(spec_of(
+        *TINY, "task=passkey", "task.length=20", tmp=tmp_path), tmp_path / "run"))
+    with pytest.raises(SystemExit) as e:  # one run's bad input found after planning
+        harness.main(cfg_of(*TINY, f"results={tmp_path}/bad.jsonl"))
+    assert e.value.code == 2 and not (tmp_path / "bad.jsonl").exists()
+
+
 def test_point_key_ignores_volatile_settings_and_dedupes_equivalent_points(tmp_path):
     key = lambda *o: plan(spec_of("model=tiny", *o)).key
     base = key("policy=lru", "kv_dtype=int4")
@@ -467,9 +489,11 @@ def test_killed_sweep_resumes_without_duplicates_and_reports_every_point(tmp_pat
     assert all(json.loads(line) for line in store.read_text().splitlines())
 
     rep = build_report(store, tmp_path / "report", sweep="t", echo=lambda *a, **k: None)
-    png = (tmp_path / "report" / "pareto_perplexity.png").read_bytes()
+    (group, points), = rep["pareto"].items()  # one model, task, text, length, layout, mode
+    png = (tmp_path / "report" / f"{group.slug()}.png").read_bytes()
     assert png.startswith(b"\x89PNG")
-    assert {p["key"] for p in rep["pareto"]["perplexity"]} == set(keys)
+    assert group.task == "perplexity" and group.text == recs[0]["text"]["sha256"]
+    assert {p["key"] for p in points} == set(keys)
     assert "report.md" in os.listdir(tmp_path / "report")
     assert POINT_GID == "point"
 
@@ -509,3 +533,51 @@ def test_paged_layout_runs_from_the_cli(tmp_path):
     bad = subprocess.run(base + ["cache.layout=paged", "policy=h2o", "budget=16"],
                          capture_output=True, text=True, cwd=tmp_path, check=False)
     assert bad.returncode != 0 and "not supported on the paged layout" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- sweep planning
+
+
+@pytest.mark.parametrize("launcher", [[], ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]])
+def test_a_sweep_with_a_bad_point_is_refused_before_any_point_runs(tmp_path, launcher):
+    """Every point is planned first: a bad one is one line naming its overrides and value."""
+    store = tmp_path / "results.jsonl"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), "-m", *TINY, "policy=window",
+         "kv_dtype=f32,int3", "budget=16,abc", f"results={store}",
+         f"hydra.sweep.dir={tmp_path}/multirun", *launcher],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    abc = ("Error merging override budget=abc: Value 'abc' of type 'str' could not be "
+           "converted to Integer full_key: budget object_type=RunConf")
+    int3 = "unknown kv_dtype 'int3'; valid choices: bf16, f32, fp8, int2, int4, int8"
+    assert lines == [f"error: sweep point #1 (kv_dtype=f32 budget=abc): {abc}",
+                     f"error: sweep point #2 (kv_dtype=int3 budget=16): {int3}",
+                     f"error: sweep point #3 (kv_dtype=int3 budget=abc): {abc}"]
+    assert not store.exists() and not (tmp_path / "multirun").exists()  # nothing ran
+
+
+def test_a_point_failing_at_run_time_is_stored_and_reported_and_the_sweep_goes_on(tmp_path):
+    """passkey with 20 tokens passes `plan` but its prompt cannot be built (a run-time
+    failure); the basic sweeper runs the next point, the store holds the failure, the report
+    lists it, and a later run of the point is not skipped because of it."""
+    from experiments.report import build_report
+
+    store = tmp_path / "results.jsonl"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), "-m", *TINY, "task=passkey,perplexity",
+         "task.length=20", "sweep=f", f"results={store}", f"hydra.sweep.dir={tmp_path}/m"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 1 and "too short for the prompt's fixed parts" in out.stderr
+    recs = {r["point"]["task"]["name"]: r for r in ResultsStore(store).records()}
+    failed, done = recs["passkey"], recs["perplexity"]
+    assert failed["status"] == "failed" and "status" not in done
+    assert failed["error"].startswith("ConfigError: task 'passkey': length=20 is too short")
+    assert failed["key"] == plan(spec_of(*TINY, "task=passkey", "task.length=20", "sweep=f",
+                                         tmp=tmp_path)).key
+    assert ResultsStore(store).find(failed["key"]) is None  # not done: a rerun retries it
+    assert ResultsStore(store).find(done["key"])["key"] == done["key"]
+    rep = build_report(store, tmp_path / "report", sweep="f", echo=lambda *a, **k: None)
+    assert [r["key"] for r in rep["failed"]] == [failed["key"]]
+    assert "## Failed runs" in (tmp_path / "report" / "report.md").read_text()

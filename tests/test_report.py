@@ -4,6 +4,7 @@ corrupt lines, the CLI, and the W&B Report built offline."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -71,8 +72,9 @@ def test_report_plots_every_point_and_writes_heatmaps_and_table(store, tmp_path)
     swept = {r["key"] for r in RECORDS if r["sweep"] == "s"}
     plotted = {p["key"] for pts in res["pareto"].values() for p in pts}
     assert plotted == swept
-    for task in ("perplexity", "needle"):
-        png = out / f"pareto_{task}.png"
+    assert sorted(g.task for g in res["pareto"]) == ["needle", "perplexity"]
+    for group in res["pareto"]:
+        png = out / f"{group.slug()}.png"
         assert png.read_bytes().startswith(b"\x89PNG") and mpimg.imread(png).shape[0] > 100
     heatmaps = sorted(p.name for p in out.glob("needle_*.png"))
     assert heatmaps == ["needle_full_f32_bNone_h.png", "needle_h2o_int4_b128_g.png"]
@@ -91,6 +93,7 @@ def label(r) -> str:
 
 def test_pareto_artists_hold_every_point_with_its_marker():
     recs = [r for r in RECORDS if r["point"]["task"]["name"] == "perplexity"]
+    assert len(report.groups(recs)) == 1  # same (model, task, text, length, layout, mode)
     fig, points = report.pareto_figure(recs, "perplexity")
     ax = fig.axes[0]
     markers = [ln for ln in ax.get_lines() if ln.get_gid() == report.POINT_GID]
@@ -137,3 +140,84 @@ def test_wandb_report_is_built_offline():
     table = next(b for b in r.blocks if isinstance(b, wr.MarkdownBlock))
     assert table.text.count("\n| perplexity |") == 5
     json.dumps(r.title)
+
+
+def with_fields(r, model="m", text="t1", length=1024, layout=None, mode=None, baseline=10.0):
+    """`rec` with the fields that decide comparability (record layout of kvjax.experiment)."""
+    r = json.loads(json.dumps(r))
+    r["point"]["model"] = {"name": model, "init_seed": 0, "overrides": {}}
+    r["point"]["task"]["length"] = length
+    if layout is not None:
+        r["point"]["cache"] = {"layout": layout, "page_size": 16}
+    if mode is not None:
+        r["point"]["policy"]["mode"] = mode
+    r["text"] = {"sha256": text}
+    r["metrics"]["baseline"] = baseline
+    return r
+
+
+def test_only_comparable_runs_share_a_plot_each_with_its_own_baseline(tmp_path):
+    """Model, task, text, length, layout and mode each split the runs into their own plot,
+    whose dashed baseline is that group's full-cache value; budgets label the points."""
+    base = [rec("a", "full", "f32", None, 10.0, 1000), rec("c", "h2o", "f32", 128, 11.0, 250),
+            rec("d", "h2o", "int4", 256, 11.5, 40)]
+    variants = {  # group name -> field overrides; each has its own baseline value
+        "plain": {}, "model": {"model": "other"}, "text": {"text": "t2"},
+        "length": {"length": 512}, "paged": {"layout": "paged"}, "compress": {"mode": "compress"},
+    }
+    store = ResultsStore(tmp_path / "r.jsonl")
+    for i, (name, fields) in enumerate(variants.items()):
+        for r in base:
+            store.append(with_fields(r | {"key": f"{name}-{r['key']}"}, baseline=20.0 + i,
+                                     **fields))
+    store.append(with_fields(rec("plain-e", "h2o", "f32", 64, 12.0, 60), mode="evict",
+                             baseline=20.0))  # "evict" spelled out joins the missing mode
+    res = report.build_report(store.path, tmp_path / "out", echo=lambda *a, **k: None)
+    assert len(res["pareto"]) == len(variants) and len(set(res["images"])) == len(variants)
+    by_prefix = {}
+    for group, points in res["pareto"].items():
+        prefixes = {p["key"].split("-")[0] for p in points}
+        assert len(prefixes) == 1, f"{group} mixes runs of {prefixes}"
+        by_prefix[prefixes.pop()] = (group, points)
+    assert set(by_prefix) == set(variants)
+    plain, plain_points = by_prefix["plain"]
+    assert {p["key"] for p in plain_points} == {"plain-a", "plain-c", "plain-d", "plain-e"}
+    assert plain.mode == "evict" and plain.layout == "dense"  # a missing mode reads as evict
+    assert by_prefix["paged"][0].layout == "paged" and by_prefix["compress"][0].mode == "compress"
+    assert len({g.slug() for g in res["pareto"]}) == len(variants)
+    for i, name in enumerate(variants):
+        group, _ = by_prefix[name]
+        recs = [r for r in res["records"] if report.group_of(r) == group]
+        fig, points = report.pareto_figure(recs, group.title())
+        ax = fig.axes[0]
+        lines = [ln for ln in ax.get_lines() if ln.get_gid() == report.BASELINE_GID]
+        assert [float(ln.get_ydata()[0]) for ln in lines] == [20.0 + i]
+        labels = sorted((t.get_text(), t.xy) for t in ax.texts if t.get_gid() == report.BUDGET_GID)
+        assert labels == sorted((str(p["budget"]), (p["x"], p["y"])) for p in points
+                                if p["budget"] is not None)
+        report.plt.close(fig)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| paged | evict |" in md and "| dense | compress |" in md
+
+
+def test_failed_runs_are_listed_not_plotted(tmp_path, capsys):
+    store = ResultsStore(tmp_path / "r.jsonl")
+    store.append(rec("a", "full", "f32", None, 10.0, 1000))
+    failed = {"key": "f", "status": "failed", "sweep": "s", "error": "RuntimeError: out of memory",
+              "point": {"policy": {"name": "h2o", "budget": 64}, "kv_dtype": "int4",
+                        "task": {"name": "perplexity"}}}
+    store.append(failed)
+    res = report.build_report(store.path, tmp_path / "out", echo=lambda *a, **k: None)
+    assert [r["key"] for r in res["failed"]] == ["f"] and [r["key"] for r in res["records"]] == ["a"]
+    assert {p["key"] for pts in res["pareto"].values() for p in pts} == {"a"}
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Failed runs" in md and "| h2o | int4 | 64 | s | f | RuntimeError: out of memory |" in md
+    assert report.main(["--store", str(store.path), "--out", str(tmp_path / "cli")]) == 0
+    assert "failed: f (s): RuntimeError: out of memory" in capsys.readouterr().out
+
+
+def test_readme_names_the_report_path_the_cli_writes():
+    readme = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"`(reports/[^`]*report\.md)`", readme))
+    default = report.default_out(None) + "/report.md"
+    assert named == {default}

@@ -191,3 +191,22 @@ def test_store_and_written_files_respect_the_umask(tmp_path, umask, mode):
         os.umask(old)
     for name in ("metrics.json", "results.jsonl"):
         assert (tmp_path / name).stat().st_mode & 0o777 == mode, name
+
+
+def test_a_failure_record_never_hides_a_result_and_gives_way_to_one(tmp_path):
+    store = ResultsStore(tmp_path / "r.jsonl")
+    err = RuntimeError("out of memory")
+    assert results.record_failure(store, key="a", point={"p": 1}, sweep="s", error=err,
+                                  run_dir=tmp_path)
+    (failed,) = store.records()
+    assert failed["status"] == "failed" and failed["error"] == "RuntimeError: out of memory"
+    assert store.find("a") is None and store.done_keys() == set()
+    assert results.record_failure(store, key="a", point={"p": 1}, sweep="s",
+                                  error=ValueError("again"), run_dir=tmp_path)
+    assert [r["error"] for r in store.records()] == ["ValueError: again"]  # the latest failure
+    assert store.append(record("a", 3.0))  # a result replaces the failure
+    assert [r.get("status") for r in store.records()] == [None]
+    assert store.find("a")["metrics"]["value"] == 3.0 and store.done_keys() == {"a"}
+    assert not results.record_failure(store, key="a", point={"p": 1}, sweep="s", error=err,
+                                      run_dir=tmp_path)  # never over a finished record
+    assert store.find("a")["metrics"]["value"] == 3.0

