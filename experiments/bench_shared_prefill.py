@@ -51,7 +51,7 @@ def main(argv=None) -> None:
                       get_format("f32"), task.seq_len(), default_text())
     pols = points(RATIOS)
     times = {"separate": [], "shared": []}
-    answers = {}
+    answers, acc = {}, {}
     for rnd in range(args.rounds + 1):
         for arm in ("separate", "shared") if rnd % 2 == 0 else ("shared", "separate"):
             t = time.perf_counter()
@@ -62,14 +62,15 @@ def main(argv=None) -> None:
             if rnd:
                 times[arm].append(time.perf_counter() - t)
             answers[arm] = [[r["answer"] for r in x.rows] for x in res]
+            if arm == "shared":
+                acc = {p: r.metrics["accuracy"] for p, r in zip(pols, res)}
             print(f"round {rnd} {arm}: {time.perf_counter() - t:.1f} s", flush=True)
     assert answers["separate"] == answers["shared"], "shared prefill changed an answer"
     sep, sh = min(times["separate"]), min(times["shared"])
-    acc = {p: r.metrics["accuracy"] for p, r in zip(pols, task.run_many(ctx, pols))}
     lines = [header("bench_shared_prefill", argv),
-             f"### Passkey sweep, {len(POLICIES)} policies x {len(RATIOS)} ratios (compress "
-             f"mode), {args.samples} prompts of {args.length} tokens, 8 new tokens, batch "
-             f"{args.samples}; best of {args.rounds} interleaved rounds", "",
+             (f"### Passkey sweep, {len(POLICIES)} policies x {len(RATIOS)} ratios (compress "
+              f"mode), {args.samples} prompts of {args.length} tokens, 8 new tokens, batch "
+              f"{args.samples}; best of {args.rounds} interleaved rounds"), "",
              "| arm | prefills | wall s | speedup |", "|---|---:|---:|---:|",
              f"| one prefill per point (`Task.run`) | {len(pols)} | {sep:.1f} | 1.00x |",
              f"| one shared prefill (`Task.run_many`) | 1 | {sh:.1f} | {sep / sh:.2f}x |", "",

@@ -708,6 +708,8 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
     ctx = TaskContext(model.params, cfg, model.tokenizer, plan_.policy, plan_.fmt,
                       plan_.max_len, text, spec.seed, is_baseline_point(plan_), spec.progress,
                       plan_.layout)
+    if precomputed is None:
+        precomputed = shared_result(plan_, echo)
     t = time.perf_counter()
     result = spec.task.run(ctx) if precomputed is None else precomputed[0]
     task_s = time.perf_counter() - t if precomputed is None else precomputed[1]
@@ -768,32 +770,52 @@ def shared_prefill_key(plan_: Plan) -> str | None:
     return config_hash({**ident, "text_sha256": sha256_text(plan_.text)})
 
 
+SWEEP_PLANS: list[Plan] = []  # the planned points of the sweep this process runs (kvjax.sweep)
+_SHARED: dict[str, tuple[TaskResult, float]] = {}  # results computed for a later point
+
+
+def shared_result(plan_: Plan, echo=print) -> tuple[TaskResult, float] | None:
+    """This point's task result when it can share a prefill with other points of the planned
+    sweep (`SWEEP_PLANS`) not stored yet: the first of them runs the whole group
+    (`Task.run_many`) and the others find theirs here. None: run the point alone."""
+    if plan_.key in _SHARED:
+        return _SHARED.pop(plan_.key)
+    key = shared_prefill_key(plan_)
+    if key is None or not any(p.key == plan_.key for p in SWEEP_PLANS):
+        return None
+    store = ResultsStore(plan_.spec.results)
+    group, seen = [], set()
+    for p in SWEEP_PLANS:
+        if p.key not in seen and shared_prefill_key(p) == key and (
+                p.key == plan_.key or p.spec.force or store.find(p.key) is None):
+            group.append(p)
+            seen.add(p.key)
+    if len(group) < 2:
+        return None
+    model = load(plan_.spec.model)
+    ctx = TaskContext(model.params, model.cfg, model.tokenizer, plan_.policy, plan_.fmt,
+                      plan_.max_len, plan_.text, plan_.spec.seed, False, plan_.spec.progress,
+                      plan_.layout)
+    t = time.perf_counter()
+    results = plan_.spec.task.run_many(ctx, [p.policy for p in group])
+    seconds = (time.perf_counter() - t) / len(group)
+    echo(f"shared prefill: this point and {len(group) - 1} more of the sweep read each prompt "
+         f"of task {plan_.spec.task.name!r} once (score once, select many)")
+    for p, r in zip(group, results):
+        _SHARED[p.key] = (r, seconds)
+    return _SHARED.pop(plan_.key)
+
+
 def execute_shared(plans: list[Plan], run_dirs, echo=print) -> list[Outcome]:
-    """Execute several planned points, running each group that shares a prefill
-    (`shared_prefill_key`) with one prefill (`Task.run_many` -> `generate_many`); every point
-    still gets its own record, baseline and speed probe. Points already stored are skipped."""
-    groups: dict[str, list[int]] = {}
-    for i, p in enumerate(plans):
-        store = ResultsStore(p.spec.results)
-        if not p.spec.force and store.find(p.key) is not None:
-            continue
-        key = shared_prefill_key(p)
-        if key is not None:
-            groups.setdefault(key, []).append(i)
-    done: dict[int, tuple[TaskResult, float]] = {}
-    for members in (m for m in groups.values() if len(m) > 1):
-        first = plans[members[0]]
-        model = load(first.spec.model)
-        ctx = TaskContext(model.params, model.cfg, model.tokenizer, first.policy, first.fmt,
-                          first.max_len, first.text, first.spec.seed, False, first.spec.progress,
-                          first.layout)
-        t = time.perf_counter()
-        results = first.spec.task.run_many(ctx, [plans[i].policy for i in members])
-        seconds = (time.perf_counter() - t) / len(members)
-        echo(f"shared prefill: {len(members)} points of task {first.spec.task.name!r} read "
-             "each prompt once")
-        done.update({i: (r, seconds) for i, r in zip(members, results)})
-    return [execute(p, d, echo, done.get(i)) for i, (p, d) in enumerate(zip(plans, run_dirs))]
+    """Execute planned points as a sweep does: points that can share a prefill run as one
+    group (`shared_result`), and every point still gets its own record, baseline and speed
+    probe. Points already stored are skipped."""
+    SWEEP_PLANS[:] = plans
+    try:
+        return [execute(p, d, echo) for p, d in zip(plans, run_dirs)]
+    finally:
+        SWEEP_PLANS.clear()
+        _SHARED.clear()
 
 
 def run(spec: RunSpec | Plan, run_dir: str | os.PathLike, echo=print) -> Outcome:

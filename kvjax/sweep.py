@@ -40,7 +40,7 @@ def sweep_points(config: DictConfig) -> tuple[list[list[str]], set[str]]:
     return points, swept
 
 
-def check_point(config: DictConfig, point: list[str]) -> None:
+def check_point(config: DictConfig, point: list[str]):
     """Compose one point's job config as the launcher will, and plan it (no model work)."""
     from kvjax.experiment import plan
     from kvjax.harness import spec_from_config
@@ -49,7 +49,7 @@ def check_point(config: DictConfig, point: list[str]) -> None:
         master_config=config, sweep_overrides=list(point))
     with open_dict(job):
         del job["hydra"]  # the job's function sees the config without it, as run_job does
-    plan(spec_from_config(job))
+    return plan(spec_from_config(job))
 
 
 def sweep_errors(config: DictConfig) -> list[str]:
@@ -58,11 +58,14 @@ def sweep_errors(config: DictConfig) -> list[str]:
 
     if config.hydra.sweeper.get("_target_") != BASIC_SWEEPER:
         return []  # other sweepers (optuna) choose their points while they run
+    from kvjax import experiment
+
     points, swept = sweep_points(config)
     errors = []
+    experiment.SWEEP_PLANS.clear()
     for i, point in enumerate(points):
         try:
-            check_point(config, point)
+            experiment.SWEEP_PLANS.append(check_point(config, point))
         except (ConfigError, HydraException, OmegaConfBaseException) as e:
             cause = f": {e.__cause__}" if e.__cause__ is not None else ""  # Hydra's why
             message = " ".join(f"{e}{cause}".split())
@@ -72,7 +75,9 @@ def sweep_errors(config: DictConfig) -> list[str]:
 
 
 class PlanSweep(Callback):
-    """Refuse a sweep with any bad point before its first point runs (exit status 2)."""
+    """Refuse a sweep with any bad point before its first point runs (exit status 2). The
+    plans are kept (`kvjax.experiment.SWEEP_PLANS`): points that can share a prefill then run
+    together when the first of them runs (in-process launchers)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         errors = sweep_errors(config)

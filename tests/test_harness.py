@@ -76,8 +76,8 @@ def test_every_task_and_policy_config_composes():
         assert spec.task.name == task
     names = sorted(p.stem for p in (ROOT / "configs" / "policy").glob("*.yaml"))
     assert {"full", "window"} <= set(names)
-    for name in names:
-        assert spec_of(f"policy={name}").policy == name
+    for name in names:  # a file is its policy, or a setting of one (h2o_kvpress is h2o)
+        assert spec_of(f"policy={name}").policy == name.split("_kvpress")[0]
     assert spec_of("+experiment=pareto").sweep == "pareto"
 
 
@@ -97,7 +97,13 @@ def test_hydra_rejects_unknown_keys_options_and_types(override, words):
 @pytest.mark.parametrize("overrides, pattern", [
     (["kv_dtype=int3"], r"unknown kv_dtype 'int3'; valid choices: bf16, f32, fp8, int2, int4, int8"),
     (["policy=lru", "budget=2048"], r"budget=2048 is above the length of task 'perplexity' \(1024"),
-    (["policy=snapkv"], r"prefill-only.*'perplexity' has no prompt.*needle, passkey"),
+    (["policy=snapkv"], r"mode=compress.*'perplexity' has no prompt.*needle, passkey"),
+    (["policy=h2o", "policy.mode=stream"], r"mode='stream' is not one of \('evict', 'compress'\)"),
+    (["policy=snapkv", "policy.mode=evict", "task=passkey"],
+     r"policy 'snapkv' cannot run mode='evict'.*its modes: compress"),
+    (["policy=h2o", "budget=64", "ratio=0.5"], r"give budget= or ratio=, not both"),
+    (["policy=h2o", "ratio=1.5"], r"ratio=1.5 must be in \[0, 1\)"),
+    (["policy=h2o", "ratio=0.5", "task=needle"], r"ratio=0.5 with mode=evict needs one prompt"),
     (["model.name=nope"], r"unknown model 'nope'; registered models: smollm2-135m"),
     (["task.text_file=/no/such.txt"], r"no such file"),
     (["wandb.mode=sometimes"], r"wandb.mode='sometimes'; valid choices: offline, online"),
@@ -136,7 +142,7 @@ def test_main_exits_with_the_error_message(capsys, monkeypatch):
 def test_main_stores_a_failure_after_planning_and_raises_it(tmp_path, monkeypatch):
     """A run that fails after `plan` leaves a failure record with the point's key; a bad
     config (refused by `plan`, or a single run's prompt check) leaves nothing."""
-    def boom(spec, run_dir):
+    def boom(spec, run_dir, echo=print):
         raise RuntimeError("device out of memory")
 
     monkeypatch.setattr(harness, "run", boom)
@@ -409,7 +415,8 @@ def test_end_to_end_records_baseline_cache_skip_and_force(tmp_path):
     assert lines[0].startswith(f"warning: results store {tmp_path / 'results.jsonl'}: skipping "
                                "line 3: not valid JSON")
     assert "skip: point" in lines[1]  # ... and the stored result, as its run printed it
-    assert lines[2].startswith("kvjax | model=tiny | policy=window(budget=16) | kv_dtype=bf16")
+    assert lines[2].startswith("kvjax | model=tiny | policy=window(budget=16, mode=evict) | "
+                               "kv_dtype=bf16")
     assert f"{rec2['metrics']['value']:.4f}" in lines[2] and "force=true reruns it" in lines[2]
     assert not (tmp_path / "run2").exists()
     forced = experiment.run(dataclasses.replace(win, force=True), tmp_path / "run3",
@@ -559,25 +566,47 @@ def test_a_sweep_with_a_bad_point_is_refused_before_any_point_runs(tmp_path, lau
 
 
 def test_a_point_failing_at_run_time_is_stored_and_reported_and_the_sweep_goes_on(tmp_path):
-    """passkey with 20 tokens passes `plan` but its prompt cannot be built (a run-time
+    """A model whose RoPE base is NaN passes `plan` but puts NaN keys into the cache (a run-time
     failure); the basic sweeper runs the next point, the store holds the failure, the report
     lists it, and a later run of the point is not skipped because of it."""
     from experiments.report import build_report
 
     store = tmp_path / "results.jsonl"
     out = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), "-m", *TINY, "task=passkey,perplexity",
-         "task.length=20", "sweep=f", f"results={store}", f"hydra.sweep.dir={tmp_path}/m"],
+        [sys.executable, str(ROOT / "run.py"), "-m", *TINY, "++model.overrides.rope_theta=nan,1e4",
+         "sweep=f", f"results={store}", f"hydra.sweep.dir={tmp_path}/m"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
-    assert out.returncode == 1 and "too short for the prompt's fixed parts" in out.stderr
-    recs = {r["point"]["task"]["name"]: r for r in ResultsStore(store).records()}
-    failed, done = recs["passkey"], recs["perplexity"]
-    assert failed["status"] == "failed" and "status" not in done
-    assert failed["error"].startswith("ConfigError: task 'passkey': length=20 is too short")
-    assert failed["key"] == plan(spec_of(*TINY, "task=passkey", "task.length=20", "sweep=f",
+    assert out.returncode == 1 and "NaN or inf keys/values reached the KV cache" in out.stderr
+    recs = {str(r["point"]["model"]): r for r in ResultsStore(store).records()}
+    (failed,) = [r for r in recs.values() if r.get("status") == "failed"]
+    (done,) = [r for r in recs.values() if "status" not in r]
+    assert failed["error"].startswith("FloatingPointError: NaN or inf keys/values")
+    assert failed["key"] == plan(spec_of(*TINY, "++model.overrides.rope_theta=nan", "sweep=f",
                                          tmp=tmp_path)).key
     assert ResultsStore(store).find(failed["key"]) is None  # not done: a rerun retries it
     assert ResultsStore(store).find(done["key"])["key"] == done["key"]
     rep = build_report(store, tmp_path / "report", sweep="f", echo=lambda *a, **k: None)
     assert [r["key"] for r in rep["failed"]] == [failed["key"]]
     assert "## Failed runs" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_compress_points_of_a_sweep_share_one_prefill(tmp_path):
+    """Score once, select many through the harness: compress-mode points over the same prompts
+    run as one group (one prefill), and each point's record equals the one it gets alone."""
+    base = ["model=tiny", "task=passkey", "task.length=400", "task.n_samples=2",
+            "speed.prompt=0", "wandb.mode=disabled", "policy.mode=compress", "ratio=0.5"]
+    names = ("tova", "knorm", "h2o")
+    plans = [plan(spec_of(*base, f"policy={n}", tmp=tmp_path / "shared")) for n in names]
+    lines = []
+    outs = experiment.execute_shared(plans, [tmp_path / n for n in names], lines.append)
+    assert sum("shared prefill" in line for line in lines) == 1
+    assert [o.stored for o in outs] == [True] * 3
+    for n, out in zip(names, outs):
+        alone = experiment.execute(plan(spec_of(*base, f"policy={n}", tmp=tmp_path / n)),
+                                   tmp_path / f"{n}-alone", print)
+        assert alone.record["key"] == out.record["key"]
+        drop = {"baseline_source"}  # computed by the first run, then read from its cache
+        assert ({k: v for k, v in alone.record["metrics"].items() if k not in drop}
+                == {k: v for k, v in out.record["metrics"].items() if k not in drop}), n
+        assert [r["answer"] for r in alone.result.rows] == [r["answer"] for r in out.result.rows]
+
