@@ -13,7 +13,7 @@ import numpy as np
 from kvjax.cache import KVCache, LayerView, init_cache
 from kvjax.config import ModelConfig
 from kvjax.model import forward
-from kvjax.policies.base import Observers
+from kvjax.policies.base import Observers, Policy
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -140,8 +140,8 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new
 def shares_prefill(policy) -> bool:
     """A compress-mode policy whose prompt cache any other such policy could read with it:
     keys stored rotated at their absolute positions, one per-head cache (no layer groups)."""
-    if policy.mode != "compress" or len(policy.layer_groups(2, 2)) > 1:
-        return False
+    if policy.mode != "compress" or type(policy).layer_groups is not Policy.layer_groups:
+        return False  # layer groups (pyramid) read the prompt into a cache per group
     view = LayerView(k=None, v=None, pos=jnp.zeros((1, 1, 1), jnp.int32), stats={},
                      length=jnp.zeros((1,), jnp.int32))
     return policy.rope_positions(view, jnp.zeros((1, 1), jnp.int32))[1] is None
