@@ -264,6 +264,13 @@ def make(task: str, rng: random.Random, n: int, length: int):
     return fwe(rng, n, c["alpha"], length)
 
 
+def min_units(c: dict) -> int:
+    """The fewest haystack units that can hold a task's needles or chain statements."""
+    if c["kind"] == "niah":
+        return max(c["nk"], c["nq"]) * c["nv"]
+    return c["chains"] * (c["hops"] + 1) if c["kind"] == "vt" else 1
+
+
 def n_tokens(tokenizer, fields: dict) -> int:
     """Tokens of the chat prompt task=qa builds from these fields."""
     head, tail = chat_frame(tokenizer)
@@ -287,7 +294,7 @@ def sample(tokenizer, task: str, length: int, seed: int, index: int) -> dict:
     hi = max(int(3 * budget / per_unit), probe)
     if task == "cwe":
         hi = min(hi, len(vocabulary()))
-    lo, best = 1, None
+    lo, best = min_units(TASKS[task]), None
     while lo <= hi:
         mid = (lo + hi) // 2
         got = build(mid)

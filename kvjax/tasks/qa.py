@@ -192,7 +192,7 @@ class QA(Task):
     scorer: str = "match_all"
     batch: int = 4
     chunk: int | None = None  # prefill chunk; None: each context in one forward
-    prompt_tokens: int | None = None  # the longest prompt; null: counted from the file
+    prompt_tokens: int | None = None  # room for a prompt; null: counted from the file
 
     def seq_len(self) -> int:
         if self.prompt_tokens is None:
@@ -234,8 +234,11 @@ class QA(Task):
         return out
 
     def resolve(self, tokenizer) -> QA:
-        """The task with `prompt_tokens` counted with this tokenizer (before the model loads)."""
-        n = max(len(a) + len(b) for a, b in self.parts(tokenizer))
+        """The task with `prompt_tokens` counted with this tokenizer (before the model loads):
+        the longest prefilled part plus the longest part fed after it, the room a batch of
+        right-padded rows needs (`kvjax.generate.check_fits`)."""
+        parts = self.parts(tokenizer)
+        n = max(len(a) for a, _ in parts) + max(len(b) for _, b in parts)
         if self.prompt_tokens is not None and self.prompt_tokens < n:
             raise ValueError(f"task 'qa': prompt_tokens={self.prompt_tokens} but the longest "
                              f"prompt of {self.file!r} has {n} tokens; use prompt_tokens=null")
