@@ -277,3 +277,20 @@ def test_leaderboard_table_shape():
     assert text[2] == "| full cache | 70.0 | 70.0 | 70.0 | 70.0 |"
     assert text[3].startswith("| tova | 60.0 | 55.0 | – |")  # sorted by mean, gaps marked
     assert text[4] == "| knorm | 50.0 | 40.0 | 10.0 | 33.3 |"
+
+
+def test_hydra_composes_task_qa(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from kvjax import harness
+
+    path = write(tmp_path, [GOOD])
+    with initialize_config_dir(str(harness.CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["task=qa", f"task.file={path}", "policy=tova",
+                                           "ratio=0.5", "policy.mode=compress",
+                                           "task.query_aware=true"])
+        missing = compose("config", overrides=["task=qa"])
+    spec = harness.spec_from_config(cfg)
+    assert spec.task.file == path and spec.task.query_aware and spec.task.max_new_tokens == 32
+    with pytest.raises(ConfigError, match="needs task.file=PATH.jsonl"):
+        harness.spec_from_config(missing)
