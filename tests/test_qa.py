@@ -27,6 +27,7 @@ from kvjax.generate import generate, generate_many
 from kvjax.model import init_params
 from kvjax.policies import get_policy
 from kvjax.tasks import get_task
+from kvjax.tasks.base import chat_frame
 from kvjax.tasks.qa import load_qa, normalize, score_answer, summarize, token_f1
 from kvjax.tasks.text import CharTokenizer
 
@@ -294,3 +295,20 @@ def test_hydra_composes_task_qa(tmp_path):
     assert spec.task.file == path and spec.task.query_aware and spec.task.max_new_tokens == 32
     with pytest.raises(ConfigError, match="needs task.file=PATH.jsonl"):
         harness.spec_from_config(missing)
+
+
+def test_prompt_room_is_counted_per_batch(tmp_path):
+    """A batch pads its contexts and its questions separately, so it needs its longest
+    context plus its longest question; across batches the most of that."""
+    rows = [{**GOOD, "context": "c" * 50, "question": "q"},
+            {**GOOD, "context": "c", "question": "q" * 30}]
+    path = write(tmp_path, rows)
+    head, tail = (len(x) for x in chat_frame(CHAR))
+    one = get_task("qa", file=path, batch=1).resolve(CHAR).prompt_tokens
+    both = get_task("qa", file=path, batch=2).resolve(CHAR).prompt_tokens
+    assert one == head + tail + 50 + 1
+    assert both == head + tail + 50 + 30
+    aware = get_task("qa", file=path, batch=2, query_aware=True).resolve(CHAR).prompt_tokens
+    assert aware == head + tail + 51  # the question is in the prefilled part: no padding gap
+    with pytest.raises(ValueError, match="prompt_tokens=10 but"):
+        get_task("qa", file=path, prompt_tokens=10).resolve(CHAR)

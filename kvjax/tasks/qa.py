@@ -235,10 +235,12 @@ class QA(Task):
 
     def resolve(self, tokenizer) -> QA:
         """The task with `prompt_tokens` counted with this tokenizer (before the model loads):
-        the longest prefilled part plus the longest part fed after it, the room a batch of
-        right-padded rows needs (`kvjax.generate.check_fits`)."""
+        over the batches, the longest prefilled part plus the longest part fed after it (the
+        room right-padded rows need, `kvjax.generate.check_fits`)."""
         parts = self.parts(tokenizer)
-        n = max(len(a) for a, _ in parts) + max(len(b) for _, b in parts)
+        n = max(max(len(a) for a, _ in parts[i:i + self.batch])
+                + max(len(b) for _, b in parts[i:i + self.batch])
+                for i in range(0, len(parts), self.batch))
         if self.prompt_tokens is not None and self.prompt_tokens < n:
             raise ValueError(f"task 'qa': prompt_tokens={self.prompt_tokens} but the longest "
                              f"prompt of {self.file!r} has {n} tokens; use prompt_tokens=null")
