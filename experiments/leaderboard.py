@@ -123,7 +123,7 @@ def leaderboard(store: str, name: str, out: str | None = None, ratios=RATIOS,
     if not records:
         raise ValueError(f"no task=qa records of sweep {name!r} in {store} (run "
                          f"`python -m experiments.leaderboard run --name {name} --data ...`)")
-    files = {str(r["point"]["task"].get("file")) for r in records}
+    files = {str((r["point"]["task"].get("file") or {}).get("sha256")) for r in records}
     if len(files) > 1:
         raise ValueError(f"sweep {name!r} mixes {len(files)} data files; one leaderboard reads "
                          "one file")
