@@ -401,7 +401,18 @@ def main(argv=None) -> int:
     ap.add_argument("--wandb", action="store_true", help="also publish a W&B Report")
     ap.add_argument("--project", default="kvjax")
     ap.add_argument("--entity", default=None)
+    ap.add_argument("--leaderboard", default=None, metavar="NAME",
+                    help="write sweep NAME's policy x ratio leaderboard (experiments.leaderboard)")
     args = ap.parse_args(argv)
+    if args.leaderboard:
+        from experiments.leaderboard import leaderboard
+
+        try:
+            leaderboard(args.store, args.leaderboard, args.out)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if not Path(args.store).is_file():
         print(f"error: no results store at {args.store} (run `python run.py` first)",
               file=sys.stderr)

@@ -328,6 +328,10 @@ def plan(spec: RunSpec) -> Plan:
     cfg = model_config(spec.model)
     tokenizer = load_tokenizer(spec.model)
     task, n_tokens = resolve_text_task(spec.task, tokenizer, text, source)
+    try:
+        task = task.resolve(tokenizer)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     spec = dataclasses.replace(spec, task=task)
     policy, notes = build_policy(spec)
     need = task.seq_len()
@@ -405,13 +409,15 @@ def point_config(spec: RunSpec, policy, max_len: int, layout=None, *, fmt=None, 
     model (`model_identity`), the policy with every field (defaults included, so `budget=256`
     and a policy default of 256 are one point; a new field such as a protocol mode joins by
     itself), the format with every option resolved (`int4` and `int4 group=64` are one point),
-    the task (chunking included; its text file by the text's sha256 and the tokens scored),
+    the task (chunking included; its text file by the text's sha256 and the tokens scored, a data
+    file such as qa's by its bytes' sha256: `Task.identity`),
     the seed, the cache length, the speed probe, the sweep name and the code
     (`code_identity`). W&B settings, paths, `force` and `progress` are left out; the cache
     layout is part of the point only when it is not the default dense one."""
     fmt = fmt if fmt is not None else build_format(spec.kv_dtype, dict(spec.kv_options))
     task = {"name": spec.task.name, **dataclasses.asdict(spec.task)}
     task.pop("text_file", None)
+    task.update(spec.task.identity())
     point = {
         "model": model if model is not None else model_identity(spec.model),
         "policy": {"name": policy.name, **dataclasses.asdict(policy)},

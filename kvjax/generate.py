@@ -121,18 +121,39 @@ def sample(logits, key, temperature: float = 0.0, top_p: float = 1.0):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def feed(params, cfg: ModelConfig, logits, cache, suffixes: Sequence[Sequence[int]] | None):
+    """Feed each row's `suffixes` (e.g. a question after a compressed context, kvpress's
+    pipeline) into the grown cache as more prompt; (logits [B, V], cache). None: unchanged."""
+    if suffixes is None:
+        return logits, cache
+    return prefill(params, suffixes, cache, cfg)
+
+
+def suffix_room(suffixes: Sequence[Sequence[int]] | None) -> int:
+    """The most tokens `feed` adds to a row (0 without suffixes)."""
+    if suffixes is None:
+        return 0
+    if min(len(s) for s in suffixes) < 1:
+        raise ValueError("every suffix needs at least one token (or pass suffixes=None)")
+    return max(len(s) for s in suffixes)
+
+
 def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              policy, fmt, *, max_len: int | None = None, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, chunk: int | None = None, layout=None):
-    """Generate `max_new_tokens` per prompt under `policy` and `fmt` (`start` then `decode`).
-    Returns (tokens [B, N] numpy, final cache).
+             top_p: float = 1.0, seed: int = 0, chunk: int | None = None, layout=None,
+             suffixes: Sequence[Sequence[int]] | None = None):
+    """Generate `max_new_tokens` per prompt under `policy` and `fmt` (`start`, `feed`, then
+    `decode`). Returns (tokens [B, N] numpy, final cache).
 
     chunk: prefill chunk size (None: the whole prompt at once); layout: a cache layout
-    (`kvjax.cache.get_layout(...)`) or its name, default dense."""
+    (`kvjax.cache.get_layout(...)`) or its name, default dense; suffixes: tokens per row fed
+    after the prompt has been read (and, in compress mode, selected), before decoding."""
     max_len = cfg.max_seq_len if max_len is None else max_len
-    check_fits([len(p) for p in prompts], max_new_tokens, max_len)
+    room = suffix_room(suffixes)
+    check_fits([len(p) for p in prompts], max_new_tokens + room, max_len)
     logits, cache = start(params, cfg, prompts, policy, fmt, max_len=max_len,
-                          extra=max_new_tokens, chunk=chunk, layout=layout)
+                          extra=max_new_tokens + room, chunk=chunk, layout=layout)
+    logits, cache = feed(params, cfg, logits, cache, suffixes)
     return decode(params, cfg, logits, cache, max_new_tokens, temperature=temperature,
                   top_p=top_p, seed=seed)
 
@@ -149,12 +170,15 @@ def shares_prefill(policy) -> bool:
 
 def generate_many(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
                   max_new_tokens: int, policies: Sequence, fmt, *, max_len: int | None = None,
-                  chunk: int | None = None, layout=None):
+                  chunk: int | None = None, layout=None,
+                  suffixes: Sequence[Sequence[int]] | None = None):
     """Score once, select many: one prefill records what every compress-mode policy needs
-    (`Observers`), then each selects from it and decodes greedily. Equal to calling
-    `generate` once per policy (tested), at one prefill's cost. Returns [(tokens, cache)]."""
+    (`Observers`), then each selects from it, is fed the `suffixes` and decodes greedily.
+    Equal to calling `generate` once per policy (tested), at one prefill's cost. Returns
+    [(tokens, cache)]."""
     max_len = cfg.max_seq_len if max_len is None else max_len
-    check_fits([len(p) for p in prompts], max_new_tokens, max_len)
+    room = suffix_room(suffixes)
+    check_fits([len(p) for p in prompts], max_new_tokens + room, max_len)
     bad = [p.name for p in policies if not shares_prefill(p)]
     if bad:
         raise ValueError(f"policies {bad} cannot share a prefill (they need mode='compress', "
@@ -164,6 +188,7 @@ def generate_many(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     logits, cache = prefill(params, prompts, cache, cfg, chunk)
     out = []
     for i in range(len(policies)):
-        mine = shared.part(cache, i).compress(max_new_tokens)  # a new cache: `cache` stays
-        out.append(decode(params, cfg, logits, mine, max_new_tokens))
+        mine = shared.part(cache, i).compress(max_new_tokens + room)  # new: `cache` stays
+        mine_logits, mine = feed(params, cfg, logits, mine, suffixes)
+        out.append(decode(params, cfg, mine_logits, mine, max_new_tokens))
     return out

@@ -197,7 +197,7 @@ def test_get_task_errors_list_choices():
     with pytest.raises(ValueError, match="new_tokens"):
         get_task("passkey", digits=5, new_tokens=3)
     assert get_task("needle", lengths=[1, 2]).lengths == (1, 2)
-    assert set(TASKS) == {"perplexity", "passkey", "needle", "agreement"}
+    assert set(TASKS) == {"perplexity", "passkey", "needle", "agreement", "qa"}
 
 
 def test_task_seq_len_and_prompt_flags():

@@ -83,6 +83,16 @@ class Task:
     def validate(self) -> None:
         """Raise a clear error for settings that cannot work (before the model loads)."""
 
+    def resolve(self, tokenizer) -> Task:
+        """The task with settings that depend on the tokenizer filled in (e.g. a file's longest
+        prompt), before `seq_len` is asked; run before the model loads."""
+        return self
+
+    def identity(self) -> dict:
+        """Fields the point key must see by content, replacing their values (a data file by
+        its bytes' sha256, never its path)."""
+        return {}
+
     def check_prompts(self, tokenizer, text: str, seed: int) -> None:
         """Raise ValueError when the settings cannot make the task's prompts (those `run` will
         build for `seed`) with this tokenizer, e.g. a length below the prompt's fixed parts;
@@ -166,16 +176,18 @@ def chunked(ids: Sequence[int], chunk: int):
 
 
 def greedy_generate(ctx: TaskContext, prompts: Sequence[Sequence[int]], new_tokens: int,
-                    chunk: int | None, policies=None):
+                    chunk: int | None, policies=None, suffixes=None):
     """Greedy answers under each policy (default: the context's), format and layout:
     [(tokens [B, new_tokens] numpy, final cache)], one per policy. Several policies share one
-    prefill (`kvjax.generate.generate_many`); one runs `kvjax.generate.generate`."""
+    prefill (`kvjax.generate.generate_many`); one runs `kvjax.generate.generate`. suffixes:
+    tokens per row fed after the prompt is read and selected (`kvjax.generate.feed`)."""
     if policies is None or len(policies) == 1:
         policy = ctx.policy if policies is None else policies[0]
         return [generate(ctx.params, ctx.cfg, prompts, new_tokens, policy, ctx.fmt,
-                         max_len=ctx.max_len, chunk=chunk, layout=ctx.layout)]
+                         max_len=ctx.max_len, chunk=chunk, layout=ctx.layout,
+                         suffixes=suffixes)]
     return generate_many(ctx.params, ctx.cfg, prompts, new_tokens, policies, ctx.fmt,
-                         max_len=ctx.max_len, chunk=chunk, layout=ctx.layout)
+                         max_len=ctx.max_len, chunk=chunk, layout=ctx.layout, suffixes=suffixes)
 
 
 def chat_frame(tokenizer) -> tuple[list[int], list[int]]:
