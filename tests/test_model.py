@@ -120,10 +120,10 @@ def test_ragged_batch_rows_equal_each_prompt_alone():
     cfg, p = _model("gqa")
     ids = np.asarray(_ids(cfg, 1, 12)[0])
     prompts = [ids[:3].tolist(), ids[:11].tolist(), ids[2:8].tolist()]
-    batch, _ = generate(p, cfg, prompts, 6, FULL, F32, max_len=32, prefill_chunk_size=4)
+    batch, _ = generate(p, cfg, prompts, 6, FULL, F32, max_len=32, chunk=4)
     last, _ = prefill(p, prompts, KVCache.init(cfg, 3, FULL, F32, 32), cfg, chunk=4)
     for i, pr in enumerate(prompts):
-        alone, _ = generate(p, cfg, [pr], 6, FULL, F32, max_len=32, prefill_chunk_size=4)
+        alone, _ = generate(p, cfg, [pr], 6, FULL, F32, max_len=32, chunk=4)
         np.testing.assert_array_equal(batch[i], alone[0])
         ref, _ = forward(p, jnp.asarray([pr]), KVCache.init(cfg, 1, FULL, F32, 32), cfg)
         np.testing.assert_allclose(last[i], ref[0, -1], atol=1e-5)
