@@ -1,0 +1,293 @@
+"""StreamingLLM (Xiao et al., ICLR 2024): attention sinks + a recent window keep perplexity near
+sliding-window re-computation on text longer than the cache, where a plain window collapses.
+
+Points: dense (the full cache), window (0 sinks + W) and 1/2/4/8 sinks + (W - sinks) with
+`rope=cache` (positions within the cache, the paper's choice) and `rope=original` (absolute
+positions), sliding window with re-computation (`perplexity_recompute`), for each cache size W;
+plus the per-token latency of a StreamingLLM decode step against re-computing the window.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+
+from experiments.reproduce.common import Done, Reproduction, spec
+from experiments.reproduce.recompute import PerplexityRecompute, _prefill
+from kvjax.cache import init_cache
+from kvjax.experiment import ModelSpec, load
+from kvjax.formats import get_format
+from kvjax.policies import get_policy
+from kvjax.tasks.base import nll_chunk
+from kvjax.tasks.perplexity import Perplexity
+from kvjax.tasks.text import encode_prefix
+
+CONTEXT = 8192  # SmolLM2's training context (the GGUF header's context_length)
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
+
+
+def label(W: int, sinks: int | str, rope: str = "") -> str:
+    return f"W{W}/{sinks}/{rope}" if rope else f"W{W}/{sinks}"
+
+
+class StreamingLLM(Reproduction):
+    name = "streamingllm"
+    paper = ("Guangxuan Xiao, Yuandong Tian, Beidi Chen, Song Han, Mike Lewis. *Efficient "
+             "Streaming Language Models with Attention Sinks.* ICLR 2024 "
+             "([arXiv:2309.17453](https://arxiv.org/abs/2309.17453), code "
+             "[mit-han-lab/streaming-llm](https://github.com/mit-han-lab/streaming-llm)).")
+    claim = (
+        "Abstract: window attention \"fails when the text length surpasses the cache size\"; "
+        "\"keeping the KV of initial tokens will largely recover the performance of window "
+        "attention\"; \"StreamingLLM outperforms the sliding window recomputation baseline by "
+        "up to 22.2× speedup\" (Fig. 10, per-token decoding latency). Table 1 (window 0+1024 "
+        "against 4 sinks + 1020 recent, PG19) and Fig. 3 (dense / window / re-computation / "
+        "StreamingLLM over 20k tokens) show the same shape on Llama-2, MPT, Falcon and Pythia; "
+        "their per-model values could not be retrieved from this sandbox, so they are not "
+        "quoted here.")
+    short_claim = ("4 sinks + recent ≈ re-computation, window collapses past the cache; "
+                   "up to 22.2× faster than re-computation (Table 1, Fig. 3, Fig. 10)")
+
+    def add_arguments(self, parser):
+        parser.add_argument("--length", type=int, default=4096, help="tokens scored")
+        parser.add_argument("--chunk", type=int, default=64, help="tokens per forward")
+        parser.add_argument("--windows", type=_ints, default=(256, 1024), help="cache sizes W")
+        parser.add_argument("--sinks", type=_ints, default=(0, 1, 2, 4, 8),
+                            help="sink counts with rope=cache")
+        parser.add_argument("--original-sinks", type=_ints, default=(0, 4),
+                            help="sink counts also run with rope=original")
+        parser.add_argument("--speed-windows", type=_ints, default=(256, 512, 1024),
+                            help="cache sizes of the latency probe (empty: none)")
+
+    def quick_defaults(self) -> dict:
+        return {"length": 320, "chunk": 32, "windows": (64,), "sinks": (0, 4),
+                "original_sinks": (), "speed_windows": ()}
+
+    def points(self, args):
+        kw = {"name": self.name, "args": args, "beyond_context": args.length > CONTEXT}
+        task = Perplexity(length=args.length, chunk=args.chunk)
+        pts = [("dense", spec(task, **kw))]
+        for W in args.windows:
+            pts.append((label(W, "recompute"),
+                        spec(PerplexityRecompute(length=args.length, chunk=args.chunk, window=W),
+                             **kw)))
+            for rope, sinks in (("cache", args.sinks), ("original", args.original_sinks)):
+                for x in sinks:
+                    pts.append((label(W, x, rope), spec(
+                        task, policy="streaming", budget=W,
+                        policy_options=(("n_sink", x), ("rope", rope)), **kw)))
+        return pts
+
+    def extra(self, args, done):
+        if not args.speed_windows:
+            return {}
+        model = load(ModelSpec())
+        return {"speed": [latency(model, W) for W in args.speed_windows]}
+
+    def check(self, done, extra):
+        """Past the cache, 4 sinks beat the plain window by a wide margin and stay near
+        re-computation (the paper's central shape)."""
+        for W in {int(k.split("/")[0][1:]) for k in done if k.startswith("W")}:
+            window = ppl(done[label(W, 0, "cache")])
+            sinks = ppl(done[label(W, 4, "cache")])
+            recompute = ppl(done[label(W, "recompute")])
+            assert window > 1.5 * sinks, f"W={W}: window {window:.2f} vs 4 sinks {sinks:.2f}"
+            assert sinks < 1.25 * recompute, f"W={W}: 4 sinks {sinks:.2f} vs re-computation {recompute:.2f}"
+
+    def body(self, args, done, extra, img_dir):
+        n = done["dense"].metrics["n_tokens"]
+        scored = n - 1
+        sec = lambda lab: f"{done[lab].seconds:.0f}"
+        rows = ["| W | method | rope | perplexity | NLL (nats) | vs re-computation | seconds |",
+                "|---|---|---|---|---|---|---|"]
+        d = done["dense"]
+        rows.append(f"| {n} (all) | dense (full cache) | original | {ppl(d):.2f} | "
+                    f"{d.metrics['nll']:.4f} | | {sec('dense')} |")
+        verdict_bits = []
+        for W in args.windows:
+            rec = ppl(done[label(W, "recompute")])
+            r = done[label(W, "recompute")]
+            rows.append(f"| {W} | sliding window + re-computation | (fresh) | {rec:.2f} | "
+                        f"{r.metrics['nll']:.4f} | 1.00× | {sec(label(W, 'recompute'))} |")
+            for rope, sinks in (("cache", args.sinks), ("original", args.original_sinks)):
+                for x in sinks:
+                    lab = label(W, x, rope)
+                    what = "window (0 + W)" if x == 0 else f"{x} sinks + {W - x}"
+                    rows.append(f"| {W} | {what} | {rope} | {ppl(done[lab]):.2f} | "
+                                f"{done[lab].metrics['nll']:.4f} | {ppl(done[lab]) / rec:.2f}× | "
+                                f"{sec(lab)} |")
+            verdict_bits.append(
+                f"W={W}: window {ppl(done[label(W, 0, 'cache')]):.1f}, 4 sinks "
+                f"{ppl(done[label(W, 4, 'cache')]):.2f}, re-computation {rec:.2f}")
+        fig = curves_figure(args, done)
+        fig_path = img_dir / f"{self.name}_nll.png"
+        fig.savefig(fig_path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        speed = speed_table(extra.get("speed", []))
+        setting = "\n".join([
+            "## Setting and what differs",
+            "",
+            f"* Model: SmolLM2-135M-Instruct (f32, CPU), not the paper's 7B-70B models; its "
+            f"training context is {CONTEXT} tokens.",
+            f"* Text: the shipped CPython docs (`kvjax/data/python_docs.txt`), not PG19; the "
+            f"first {n} tokens, {scored} tokens scored per run (every token with a target).",
+            f"* Length: {n} tokens" + (
+                f", past the {CONTEXT}-token training context." if n > CONTEXT else
+                f", reduced from the issue's 16k because the whole sweep at 16k does not fit the "
+                f"shared 2-core CPU in ~40 min; so dense is measured inside its training context "
+                f"and its degradation past {CONTEXT} tokens is not shown here. The full run: "
+                f"`python -m experiments.reproduce streamingllm --length 16384` "
+                f"(it sets `beyond_context`)."),
+            f"* Streaming in chunks of {args.chunk} tokens (`task.chunk={args.chunk}`): the "
+            f"cache evicts after each chunk, so a token at offset j of its chunk sees the W "
+            f"cached tokens plus j chunk tokens. Re-computation uses the same stride: each "
+            f"chunk is scored from a fresh full cache holding only the W tokens before it "
+            f"(`perplexity_recompute`, two `forward` calls per chunk), so every token sees "
+            f"exactly as many previous tokens as in the streaming runs. The paper re-computes "
+            f"per token (chunk 1); `--chunk 1` does that here too, at ~{args.chunk}× the cost.",
+            "* Cache budget W counts the sinks (x sinks + (W − x) recent), as in the paper's "
+            "x+y notation. `rope=cache` gives positions within the cache (the paper's choice); "
+            "`rope=original` keeps the absolute positions.",
+        ])
+        plot = (f"![running NLL]({img_dir.name}/{fig_path.name})\n\n"
+                f"NLL per token, averaged over windows of {args.chunk * 4} tokens, for each W "
+                "(rope=cache); dashed: re-computation, dotted: dense.")
+        verdict, word = self.verdict(args, done, extra)
+        body = "\n\n".join([
+            setting,
+            "## Results",
+            "\n".join(rows),
+            plot,
+            speed,
+            "## Verdict",
+            verdict,
+        ])
+        return body, "; ".join(verdict_bits), word
+
+    def verdict(self, args, done, extra):
+        ok = []
+        for W in args.windows:
+            window, sinks = ppl(done[label(W, 0, "cache")]), ppl(done[label(W, 4, "cache")])
+            rec = ppl(done[label(W, "recompute")])
+            ok.append(window > 1.5 * sinks and sinks < 1.25 * rec)
+        speed = extra.get("speed", [])
+        best = max((s["speedup"] for s in speed), default=None)
+        n = done["dense"].metrics["n_tokens"]
+        parts = []
+        word = "reproduced" if all(ok) else ("partly" if any(ok) else "not reproduced")
+        parts.append(
+            f"**{word.capitalize()}** for the perplexity shape: with 4 sinks, perplexity stays "
+            f"within 25 % of re-computation while the plain window is at least 1.5× worse, for "
+            f"{sum(ok)} of {len(ok)} cache sizes (numbers in the table).")
+        if best is not None:
+            parts.append(f"Speed: StreamingLLM's decode step is up to {best:.1f}× faster per "
+                         f"token than re-computing the window on this CPU (paper: up to 22.2× on "
+                         f"an A6000 with Llama-2, cache sizes up to 4096).")
+        if n <= CONTEXT:
+            parts.append(f"Not tested: dense past the {CONTEXT}-token training context (the run "
+                         f"had {n} tokens); so the verdict is at most partly for the full claim.")
+            word = "partly" if word == "reproduced" else word
+        return "\n\n".join(parts), word
+
+
+def ppl(d: Done) -> float:
+    return float(d.metrics["perplexity"])
+
+
+def curves_figure(args, done):
+    fig, axes = plt.subplots(1, len(args.windows), figsize=(5.5 * len(args.windows), 3.6),
+                             squeeze=False)
+    smooth = args.chunk * 4
+    for ax, W in zip(axes[0], args.windows):
+        for lab, style, name in [("dense", ":", "dense"), (label(W, "recompute"), "--",
+                                                          "re-computation")] + [
+                (label(W, x, "cache"), "-", "window" if x == 0 else f"{x} sinks")
+                for x in args.sinks]:
+            nll = np.load(Path(done[lab].record["run_dir"]) / "nll.npy")
+            k = len(nll) // smooth
+            y = nll[:k * smooth].reshape(k, smooth).mean(axis=1)
+            x = (np.arange(k) + 1) * smooth
+            ax.plot(x, y, style, label=name)
+        ax.axvline(W, color="grey", lw=0.5)
+        ax.set_title(f"cache W={W}")
+        ax.set_xlabel("token")
+        ax.set_ylabel("NLL (nats)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _fill(params, tokens, cache, cfg):
+    from kvjax.model import forward
+
+    _, cache = forward(params, tokens, cache, cfg, logits_at=jnp.zeros((1,), jnp.int32))
+    return cache
+
+
+def latency(model, W: int, steps: int = 8, reps: int = 3) -> dict:
+    """Seconds per generated token: a StreamingLLM decode step (4 sinks + W - 4, cache full)
+    against re-computation (a fresh full cache, a forward over the last W tokens, then the new
+    token: what `perplexity_recompute` does per token with chunk 1). Each after a compiling call;
+    the median of `reps`."""
+    cfg, params = model.cfg, model.params
+    fmt = get_format("f32")
+    ids = encode_prefix(model.tokenizer, _text(), W + steps + 1)
+    window = jnp.asarray([ids[:W]], jnp.int32)  # [1, W]
+    one = jnp.asarray([[ids[W]]], jnp.int32)  # [1, 1]
+    nv1 = jnp.ones((1,), jnp.int32)
+    stream = get_policy("streaming", budget=W, n_sink=4)
+
+    def streaming_step():
+        cache = _fill(params, window, init_cache(cfg, 1, stream, fmt, W + steps + 1), cfg)
+        out, cache = nll_chunk(params, one, one, nv1, cache, cfg)  # compile / warm
+        jax.block_until_ready(out)
+        t = time.perf_counter()
+        for _ in range(steps):
+            out, cache = nll_chunk(params, one, one, nv1, cache, cfg)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t) / steps
+
+    def recompute_step():
+        cache = init_cache(cfg, 1, get_policy("full"), fmt, W + 1)
+        t = time.perf_counter()
+        cache = _prefill(params, window, jnp.asarray([W], jnp.int32), cache, cfg)
+        out, _ = nll_chunk(params, one, one, nv1, cache, cfg)
+        jax.block_until_ready(out)
+        return time.perf_counter() - t
+
+    recompute_step()
+    s = float(np.median([streaming_step() for _ in range(reps)]))
+    r = float(np.median([recompute_step() for _ in range(reps)]))
+    return {"window": W, "streaming_s": s, "recompute_s": r, "speedup": r / s}
+
+
+def _text() -> str:
+    from kvjax.tasks.text import default_text
+
+    return default_text()
+
+
+def speed_table(speed: list[dict]) -> str:
+    if not speed:
+        return "(latency probe not run: `--speed-windows` empty)"
+    rows = ["Per-token latency (median of 3; batch 1, f32, this shared CPU; each after a "
+            "compiling call; `latency()` in experiments/reproduce/streamingllm.py):", "",
+            "| cache W | StreamingLLM decode step (ms) | re-computation (ms) | speedup |",
+            "|---|---|---|---|"]
+    rows += [f"| {s['window']} | {1e3 * s['streaming_s']:.1f} | {1e3 * s['recompute_s']:.1f} | "
+             f"{s['speedup']:.1f}× |" for s in speed]
+    return "\n".join(rows)
+
+
+REPRODUCTION = StreamingLLM()
