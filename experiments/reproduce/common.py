@@ -118,10 +118,10 @@ def write_doc(rep: Reproduction, args, argv: list[str], done: dict[str, Done], e
         "",
         f"**Claim.** {rep.claim}",
         "",
-        f"**Command.** `{cmd}` — {minutes:.1f} min wall time on this 2-core CPU machine "
+        (f"**Command.** `{cmd}` — {minutes:.1f} min wall time on this 2-core CPU machine "
         f"(shared with other jobs; {len(done)} harness points in the results store "
         f"`{args.results}`, W&B offline group `{rep.name}`). Points already in the store are "
-        "read back, not rerun; the time is this invocation's.",
+        "read back, not rerun; the time is this invocation's."),
         "",
         body.strip(),
         "",
@@ -142,11 +142,11 @@ def write_index(docs: Path, rows: dict) -> None:
     lines = [
         "# Paper reproductions",
         "",
-        "Each row is one command: `python -m experiments.reproduce NAME` runs the paper's sweep "
+        ("Each row is one command: `python -m experiments.reproduce NAME` runs the paper's sweep "
         "through the normal harness (results store, W&B offline group NAME) and rewrites "
         "NAME.md; `--quick` runs a reduced version that asserts the qualitative shape (the CI "
         "test `tests/test_reproduce.py` runs every `--quick`). Adding a paper is one file in "
-        "`experiments/reproduce/` (a `Reproduction` subclass, see `common.py`).",
+        "`experiments/reproduce/` (a `Reproduction` subclass, see `common.py`)."),
         "",
         "| " + " | ".join(INDEX_COLUMNS) + " |",
         "|" + "---|" * len(INDEX_COLUMNS),

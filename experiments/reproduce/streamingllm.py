@@ -136,10 +136,10 @@ class StreamingLLM(Reproduction):
         setting = "\n".join([
             "## Setting and what differs",
             "",
-            f"* Model: SmolLM2-135M-Instruct (f32, CPU), not the paper's 7B-70B models; its "
-            f"training context is {CONTEXT} tokens.",
-            f"* Text: the shipped CPython docs (`kvjax/data/python_docs.txt`), not PG19; the "
-            f"first {n} tokens, {scored} tokens scored per run (every token with a target).",
+            (f"* Model: SmolLM2-135M-Instruct (f32, CPU), not the paper's 7B-70B models; its "
+            f"training context is {CONTEXT} tokens."),
+            (f"* Text: the shipped CPython docs (`kvjax/data/python_docs.txt`), not PG19; the "
+            f"first {n} tokens, {scored} tokens scored per run (every token with a target)."),
             f"* Length: {n} tokens" + (
                 f", past the {CONTEXT}-token training context." if n > CONTEXT else
                 f", reduced from the issue's 16k because the whole sweep at 16k does not fit the "
@@ -147,16 +147,16 @@ class StreamingLLM(Reproduction):
                 f"and its degradation past {CONTEXT} tokens is not shown here. The full run: "
                 f"`python -m experiments.reproduce streamingllm --length 16384` "
                 f"(it sets `beyond_context`)."),
-            f"* Streaming in chunks of {args.chunk} tokens (`task.chunk={args.chunk}`): the "
+            (f"* Streaming in chunks of {args.chunk} tokens (`task.chunk={args.chunk}`): the "
             f"cache evicts after each chunk, so a token at offset j of its chunk sees the W "
             f"cached tokens plus j chunk tokens. Re-computation uses the same stride: each "
             f"chunk is scored from a fresh full cache holding only the W tokens before it "
             f"(`perplexity_recompute`, two `forward` calls per chunk), so every token sees "
             f"exactly as many previous tokens as in the streaming runs. The paper re-computes "
-            f"per token (chunk 1); `--chunk 1` does that here too, at ~{args.chunk}× the cost.",
-            "* Cache budget W counts the sinks (x sinks + (W − x) recent), as in the paper's "
+            f"per token (chunk 1); `--chunk 1` does that here too, at ~{args.chunk}× the cost."),
+            ("* Cache budget W counts the sinks (x sinks + (W − x) recent), as in the paper's "
             "x+y notation. `rope=cache` gives positions within the cache (the paper's choice); "
-            "`rope=original` keeps the absolute positions.",
+            "`rope=original` keeps the absolute positions."),
         ])
         plot = (f"![running NLL]({img_dir.name}/{fig_path.name})\n\n"
                 f"NLL per token, averaged over windows of {args.chunk * 4} tokens, for each W "
@@ -281,8 +281,8 @@ def _text() -> str:
 def speed_table(speed: list[dict]) -> str:
     if not speed:
         return "(latency probe not run: `--speed-windows` empty)"
-    rows = ["Per-token latency (median of 3; batch 1, f32, this shared CPU; each after a "
-            "compiling call; `latency()` in experiments/reproduce/streamingllm.py):", "",
+    rows = [("Per-token latency (median of 3; batch 1, f32, this shared CPU; each after a "
+            "compiling call; `latency()` in experiments/reproduce/streamingllm.py):"), "",
             "| cache W | StreamingLLM decode step (ms) | re-computation (ms) | speedup |",
             "|---|---|---|---|"]
     rows += [f"| {s['window']} | {1e3 * s['streaming_s']:.1f} | {1e3 * s['recompute_s']:.1f} | "
