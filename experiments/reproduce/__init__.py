@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-PAPERS = {"streamingllm": "experiments.reproduce.streamingllm"}
+PAPERS = {"streamingllm": "experiments.reproduce.streamingllm",
+          "h2o": "experiments.reproduce.h2o"}
 
 
 def get(name: str):

@@ -1,7 +1,8 @@
 """What every reproduction shares: run labelled points through the harness, write the doc and
 the index.
 
-A paper module defines a `Reproduction` subclass: its paper and claim, `points(args)` (labelled
+A paper module defines a `Reproduction` subclass: its paper and claim, `add_arguments` (the full
+run's options) and `quick_defaults` (their `--quick` values), `points(args)` (labelled
 `RunSpec`s; the same code builds the full and the `--quick` sweep), `extra(args, done)` for
 measurements outside the store (e.g. a speed probe), `check(done, extra)` (the qualitative
 shape `--quick` asserts) and `body(done, extra, img_dir)` (the doc's table, plot and verdict).
@@ -31,16 +32,20 @@ INDEX_COLUMNS = ("paper", "claim", "ours", "verdict", "command", "minutes on 2 c
 
 @dataclasses.dataclass(frozen=True)
 class Done:
-    """One finished point: its label, record (stored or skipped-and-read-back) and the wall
-    seconds this invocation spent on it (0 when it was already in the store)."""
+    """One finished point: its label and record (just stored, or read back from the store)."""
 
     label: str
     record: dict
-    seconds: float
+    seconds: float = 0.0  # wall seconds this invocation spent on it (0: read back)
 
     @property
     def metrics(self) -> dict:
         return self.record["metrics"]
+
+    @property
+    def run_s(self) -> float:
+        """The seconds the point's own run took (its record's total_s: load, task, baseline)."""
+        return float(self.record.get("timings", {}).get("total_s", 0.0))
 
 
 class Reproduction:
@@ -53,6 +58,10 @@ class Reproduction:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Paper-specific options (defaults: the documented full run)."""
+
+    def quick_defaults(self) -> dict:
+        """Option values `--quick` uses unless given (small lengths, under 60 s on 2 cores)."""
+        raise NotImplementedError
 
     def points(self, args) -> list[tuple[str, RunSpec]]:
         raise NotImplementedError
@@ -110,7 +119,7 @@ def write_doc(rep: Reproduction, args, argv: list[str], done: dict[str, Done], e
     img_dir.mkdir(parents=True, exist_ok=True)
     body, ours, verdict = rep.body(args, done, extra, img_dir)
     cmd = command_line(rep.name, argv)
-    minutes = wall_s / 60
+    minutes = (sum(d.run_s for d in done.values()) + extra.get("seconds", 0.0)) / 60
     text = "\n".join([
         f"# Reproduction: {rep.name}",
         "",
@@ -118,10 +127,12 @@ def write_doc(rep: Reproduction, args, argv: list[str], done: dict[str, Done], e
         "",
         f"**Claim.** {rep.claim}",
         "",
-        (f"**Command.** `{cmd}` — {minutes:.1f} min wall time on this 2-core CPU machine "
-        f"(shared with other jobs; {len(done)} harness points in the results store "
-        f"`{args.results}`, W&B offline group `{rep.name}`). Points already in the store are "
-        "read back, not rerun; the time is this invocation's."),
+        (f"**Command.** `{cmd}` — {minutes:.1f} min of wall time on this 2-core CPU machine, "
+        f"shared with other jobs (the sum of the {len(done)} harness points' own run times "
+        f"from their records, plus {extra.get('seconds', 0.0) / 60:.1f} min of measurements "
+        f"outside the store). Records: results store `{args.results}`, W&B offline group "
+        f"`{rep.name}`; a rerun reads stored points back (this invocation: "
+        f"{wall_s / 60:.1f} min)."),
         "",
         body.strip(),
         "",
