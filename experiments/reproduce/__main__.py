@@ -8,12 +8,32 @@ doc under the results directory (never over the committed one) unless --docs is 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 from experiments.reproduce import PAPERS, get
 from experiments.reproduce.common import DOCS, run_points, write_doc
+from kvjax.results import atomic_write_text
+
+
+def measure_extra(rep, args, name: str, done) -> dict:
+    """The paper's measurements outside the store (`rep.extra`), kept beside the store in
+    NAME-extra.json under the options that produced them, so a rerun that only rewrites the doc
+    reads them back (unless --force)."""
+    settings = {k: v for k, v in sorted(vars(args).items())
+                if k not in ("results", "docs", "wandb", "force")}
+    path = Path(args.results).parent / f"{name}-extra.json"
+    saved = json.loads(path.read_text()) if path.is_file() else []
+    for entry in saved:
+        if entry["settings"] == json.loads(json.dumps(settings)) and not args.force:
+            print(f"  measurements read back from {path}")
+            return entry["extra"]
+    extra = rep.extra(args, done)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(saved + [{"settings": settings, "extra": extra}], indent=1))
+    return extra
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     print(f"{name}: {'quick' if args.quick else 'full'} sweep -> {args.results}")
     done = run_points(rep.points(args))
-    extra = rep.extra(args, done)
+    extra = measure_extra(rep, args, name, done)
     wall = time.perf_counter() - t
     if args.quick:
         rep.check(done, extra)

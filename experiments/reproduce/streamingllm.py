@@ -65,12 +65,15 @@ class StreamingLLM(Reproduction):
                             help="sink counts with rope=cache")
         parser.add_argument("--original-sinks", type=_ints, default=(0, 4),
                             help="sink counts also run with rope=original")
+        parser.add_argument("--long", type=int, default=0,
+                            help="also run dense and 4 sinks + (W - 4) (W: the largest cache) "
+                                 "over this many tokens, past the training context (0: not)")
         parser.add_argument("--speed-windows", type=_ints, default=(256, 512, 1024),
                             help="cache sizes of the latency probe (empty: none)")
 
     def quick_defaults(self) -> dict:
         return {"length": 320, "chunk": 32, "windows": (64,), "sinks": (0, 4),
-                "original_sinks": (), "speed_windows": ()}
+                "original_sinks": (), "speed_windows": (), "long": 0}
 
     def points(self, args):
         kw = {"name": self.name, "args": args, "beyond_context": args.length > CONTEXT}
@@ -85,6 +88,13 @@ class StreamingLLM(Reproduction):
                     pts.append((label(W, x, rope), spec(
                         task, policy="streaming", budget=W,
                         policy_options=(("n_sink", x), ("rope", rope)), **kw)))
+        if args.long:
+            long = Perplexity(length=args.long, chunk=args.chunk)
+            kw["beyond_context"] = args.long > CONTEXT
+            pts.append(("long/dense", spec(long, **kw)))
+            pts.append(("long/sinks", spec(long, policy="streaming", budget=max(args.windows),
+                                           policy_options=(("n_sink", 4), ("rope", "cache")),
+                                           **kw)))
         return pts
 
     def extra(self, args, done):
@@ -171,6 +181,7 @@ class StreamingLLM(Reproduction):
         plot = (f"![running NLL]({img_dir.name}/{fig_path.name})\n\n"
                 f"NLL per token, averaged over windows of {args.chunk * 4} tokens, for each W "
                 "(rope=cache); dashed: re-computation, dotted: dense.")
+        long = long_section(args, done, img_dir) if args.long else ""
         verdict, word = self.verdict(args, done, extra)
         body = "\n\n".join([
             setting,
@@ -178,6 +189,7 @@ class StreamingLLM(Reproduction):
             "\n".join(rows),
             rows_note,
             plot,
+            long,
             speed,
             "## Verdict",
             verdict,
@@ -209,6 +221,43 @@ class StreamingLLM(Reproduction):
                          f"had {n} tokens); so the verdict is at most partly for the full claim.")
             word = "partly" if word == "reproduced" else word
         return "\n\n".join(parts), word
+
+
+def long_section(args, done, img_dir) -> str:
+    """Dense against 4 sinks over `--long` tokens: inside and past the training context."""
+    W = max(args.windows)
+    nll = {k: np.load(Path(done[k].record["run_dir"]) / "nll.npy") for k in ("long/dense",
+                                                                             "long/sinks")}
+    n = len(nll["long/dense"]) + 1
+    cut = min(CONTEXT, n - 1)
+    ppl_of = lambda a: float(np.exp(a.mean(dtype=np.float64)))
+    rows = [f"### Past the training context ({n} tokens)", "",
+            (f"| method | perplexity, tokens 1..{cut} | perplexity, tokens {cut + 1}..{n - 1} | "
+            "run seconds |"), "|---|---|---|---|"]
+    for k, what in (("long/dense", "dense (full cache, absolute positions)"),
+                    ("long/sinks", f"StreamingLLM 4 sinks + {W - 4}, rope=cache")):
+        a = nll[k]
+        rows.append(f"| {what} | {ppl_of(a[:cut]):.2f} | "
+                    f"{ppl_of(a[cut:]) if n - 1 > cut else float('nan'):.2f} | "
+                    f"{done[k].run_s:.0f} |")
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    bin_ = 512
+    for k, name in (("long/dense", "dense"), ("long/sinks", f"4 sinks + {W - 4}")):
+        a = nll[k]
+        m = len(a) // bin_
+        ax.plot((np.arange(m) + 1) * bin_, a[:m * bin_].reshape(m, bin_).mean(axis=1), label=name)
+    ax.axvline(CONTEXT, color="grey", lw=0.5)
+    ax.set_xlabel("token")
+    ax.set_ylabel(f"NLL (nats, mean of {bin_})")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = img_dir / "streamingllm_long.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    rows += ["", f"![dense vs sinks past the context]({img_dir.name}/{path.name})", "",
+             f"Grey line: the {CONTEXT}-token training context."]
+    return "\n".join(rows)
 
 
 def ppl(d: Done) -> float:
