@@ -120,14 +120,14 @@ class H2O(Reproduction):
                 for lab in args.policies:
                     m = done[f"{tname}/{f}/{lab}"].metrics
                     cells.append(f"{m[metric]:.3f}" + (f" ({m['top1']:.3f})" if metric == "kl" else ""))
-                rows.append(f"| {f:.0%} | {b} | " + " | ".join(cells) + " |")
+                rows.append(f"| {100 * f:g} % | {b} | " + " | ".join(cells) + " |")
             fm = full.metrics
             rows.append(f"| 100 % (full) | {task.length} | "
                         + (f"{fm['perplexity']:.3f}" if metric == "perplexity" else "0 (1.000)")
                         + " |" * len(args.policies))
             rows.append("")
             rows.append(f"{fm['n_tokens']} tokens per run ({fm['n_tokens'] - 1} scored for "
-                        "perplexity); seconds per point: "
+                        "perplexity); run seconds per point, in table order (full first): "
                         + ", ".join(f"{done[k].run_s:.0f}" for k in done if k.startswith(tname))
                         + ".")
             sections.append("\n".join(rows))
@@ -151,7 +151,11 @@ class H2O(Reproduction):
             f"**{word.capitalize()}.** At a 20 % budget H2O is "
             f"{'better' if better else 'not better'} than recent-only on every task measured, "
             f"and {'within' if near else 'not within'} 10 % of the full cache's perplexity "
-            "(KL < 0.1 nats for agreement). " + "; ".join(ours) + "."))
+            "(KL < 0.1 nats for agreement). " + "; ".join(ours) + ". "
+            "Heavy-only and random are shown for the budget sweep; without a recent window "
+            "heavy-only is the weakest at small budgets here, and random keeps some of the "
+            "first tokens by chance, which may act as attention sinks (see the streamingllm "
+            "reproduction) — a reading, not something this sweep tests."))
         return "\n\n".join(sections), "; ".join(ours), word
 
     def figure(self, args, done):
