@@ -3,6 +3,8 @@ failing on a wrong shape, and every reproduction's `--quick` end to end (real mo
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,3 +111,20 @@ def _quick_args(name, tmp_path):
         setattr(args, k, v)
     args.results, args.wandb, args.force = str(tmp_path / "r2.jsonl"), "disabled", False
     return args
+
+
+def test_beyond_context_is_refused_unless_asked():
+    """A task past the model's 8192-token context is a ConfigError before the model loads;
+    beyond_context=True (StreamingLLM's dense baseline) plans it."""
+    from kvjax.experiment import ConfigError, RunSpec, plan
+
+    spec = RunSpec(task=Perplexity(length=8200, chunk=128), speed=_no_speed())
+    with pytest.raises(ConfigError, match="context length 8192"):
+        plan(spec)
+    assert plan(dataclasses.replace(spec, beyond_context=True)).max_len == 8200
+
+
+def _no_speed():
+    from kvjax.experiment import SpeedSpec
+
+    return SpeedSpec(prompt=0)
