@@ -1,0 +1,130 @@
+"""Paper reproductions: the re-computation task against independent forwards, the shape checks
+failing on a wrong shape, and every reproduction's `--quick` end to end (real model)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.reproduce import PAPERS, get
+from experiments.reproduce.__main__ import main
+from experiments.reproduce.common import Done
+from experiments.reproduce.recompute import PerplexityRecompute
+from kvjax.cache import init_cache
+from kvjax.experiment import ModelSpec, load
+from kvjax.formats import get_format
+from kvjax.model import forward
+from kvjax.policies import get_policy
+from kvjax.tasks.base import TaskContext
+from kvjax.tasks.perplexity import Perplexity
+from kvjax.tasks.text import default_text, encode_prefix
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    m = load(ModelSpec("tiny"))
+    f32 = get_format("f32")
+    ctx = TaskContext(m.params, m.cfg, m.tokenizer, get_policy("full"), f32, 64, default_text())
+    return m, ctx
+
+
+def test_recompute_with_a_window_past_the_text_is_the_full_cache(tiny):
+    _, ctx = tiny
+    full = Perplexity(length=64, chunk=16).run(ctx).arrays["nll"]
+    rec = PerplexityRecompute(length=64, chunk=8, window=64).run(ctx).arrays["nll"]
+    np.testing.assert_allclose(rec, full, rtol=1e-4, atol=1e-4)
+
+
+def test_recompute_chunk_one_is_a_fresh_forward_over_the_last_window(tiny):
+    """chunk=1: token i is predicted from ids[i-W .. i] alone, positions from 0 (checked against
+    one forward per token over exactly those ids)."""
+    m, ctx = tiny
+    W, n = 5, 24
+    rec = PerplexityRecompute(length=n, chunk=1, window=W).run(ctx).arrays["nll"]
+    ids = encode_prefix(m.tokenizer, ctx.text, n)
+    for i in (0, 3, W, 11, n - 2):
+        seq = ids[max(0, i - W):i + 1]
+        cache = init_cache(m.cfg, 1, get_policy("full"), ctx.fmt, len(seq))
+        logits, _ = forward(m.params, jnp.asarray([seq], jnp.int32), cache, m.cfg)
+        want = -jax.nn.log_softmax(logits[0, -1])[ids[i + 1]]
+        assert rec[i] == pytest.approx(float(want), rel=1e-4, abs=1e-4), i
+    # a shorter window loses context: the numbers differ from the full cache
+    full = Perplexity(length=n, chunk=8).run(ctx).arrays["nll"]
+    assert not np.allclose(rec[W + 1:], full[W + 1:], atol=1e-3)
+
+
+def test_recompute_rejects_a_bad_window():
+    with pytest.raises(ValueError, match="window=0"):
+        PerplexityRecompute(length=64, window=0).validate()
+
+
+def _done(tmp_path, label, nll):
+    """A finished point whose per-token NLL is `nll` everywhere (perplexity e^nll)."""
+    d = tmp_path / label.replace("/", "_")
+    d.mkdir()
+    np.save(d / "nll.npy", np.full(100, nll, np.float32))
+    return Done(label, {"run_dir": str(d), "metrics": {"perplexity": float(np.exp(nll))}})
+
+
+def test_streamingllm_check_fails_when_sinks_do_not_help(tmp_path):
+    rep = get("streamingllm")
+    good = {"W64/0/cache": _done(tmp_path, "w", 4.0), "W64/4/cache": _done(tmp_path, "s", 3.0),
+            "W64/recompute": _done(tmp_path, "r", 2.95)}
+    rep.check(good, {})
+    with pytest.raises(AssertionError, match="window"):
+        rep.check({**good, "W64/0/cache": _done(tmp_path, "w2", 3.1)}, {})
+    with pytest.raises(AssertionError, match="re-computation"):
+        rep.check({**good, "W64/recompute": _done(tmp_path, "r2", 2.0)}, {})
+
+
+def test_unknown_reproduction_names_the_choices():
+    with pytest.raises(SystemExit, match="streamingllm"):
+        main(["nosuchpaper"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PAPERS))
+def test_quick(name, tmp_path):
+    """`python -m experiments.reproduce NAME --quick`: the reduced sweep through the harness,
+    its shape asserted, its doc and index row written (under 60 s on 2 cores)."""
+    assert main([name, "--quick", "--results", str(tmp_path / "r.jsonl"), "--wandb",
+                 "disabled"]) == 0
+    doc = (tmp_path / "quick-docs" / f"{name}.md").read_text()
+    assert "**Claim.**" in doc and "## Verdict" in doc
+    assert f"[{name}]({name}.md)" in (tmp_path / "quick-docs" / "README.md").read_text()
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == len(
+        get(name).points(_quick_args(name, tmp_path)))
+
+
+def _quick_args(name, tmp_path):
+    import argparse
+
+    rep = get(name)
+    p = argparse.ArgumentParser()
+    rep.add_arguments(p)
+    args = p.parse_args([])
+    for k, v in rep.quick_defaults().items():
+        setattr(args, k, v)
+    args.results, args.wandb, args.force = str(tmp_path / "r2.jsonl"), "disabled", False
+    return args
+
+
+def test_beyond_context_is_refused_unless_asked():
+    """A task past the model's 8192-token context is a ConfigError before the model loads;
+    beyond_context=True (StreamingLLM's dense baseline) plans it."""
+    from kvjax.experiment import ConfigError, RunSpec, plan
+
+    spec = RunSpec(task=Perplexity(length=8200, chunk=128), speed=_no_speed())
+    with pytest.raises(ConfigError, match="context length 8192"):
+        plan(spec)
+    assert plan(dataclasses.replace(spec, beyond_context=True)).max_len == 8200
+
+
+def _no_speed():
+    from kvjax.experiment import SpeedSpec
+
+    return SpeedSpec(prompt=0)
