@@ -7,17 +7,10 @@ same GGUF; see tests/data/REFERENCE.md), copied so a fresh clone passes without 
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
-
-# The xdist workers compile many of the same programs (the real model's steps above all): they
-# share them through JAX's persistent compilation cache (programs that took >= 1 s to compile).
-jax.config.update("jax_compilation_cache_dir", str(Path(tempfile.gettempdir()) / "kvjax-tests-xla"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 DATA = Path(__file__).parent / "data"
 

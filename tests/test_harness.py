@@ -345,15 +345,20 @@ def test_ctrl_c_during_a_run_py_task(tmp_path):
     store = tmp_path / "r.jsonl"
     store.write_text('{"key": "old"}\n')
     err = tmp_path / "err.txt"
+    # a terminal's Ctrl-C: the child starts with SIGINT handled, even if this process inherited
+    # it ignored (an ignored SIGINT passes on to a child: CI's workers had one)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     with open(err, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, str(ROOT / "run.py"), "model=tiny", "task.length=6000",
              "task.chunk=1", "progress=true", "speed.prompt=0", "wandb.mode=disabled",
              f"results={store}", f"hydra.run.dir={tmp_path}/run", "xla_cache=null"],
             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=f)
+        signal.signal(signal.SIGINT, inherited)
         deadline = time.time() + 240
         while time.time() < deadline and "perplexity (full)" not in err.read_text():
             time.sleep(0.1)
+        assert proc.poll() is None, "the run ended before it could be interrupted"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     text = err.read_text()
