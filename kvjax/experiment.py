@@ -716,7 +716,7 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
                       plan_.max_len, text, spec.seed, is_baseline_point(plan_), spec.progress,
                       plan_.layout)
     if precomputed is None:
-        precomputed = shared_result(plan_, echo)
+        precomputed = shared_result(plan_, ctx, echo)
     t = time.perf_counter()
     result = spec.task.run(ctx) if precomputed is None else precomputed[0]
     task_s = time.perf_counter() - t if precomputed is None else precomputed[1]
@@ -781,7 +781,7 @@ SWEEP_PLANS: list[Plan] = []  # the planned points of the sweep this process run
 _SHARED: dict[str, tuple[TaskResult, float]] = {}  # results computed for a later point
 
 
-def shared_result(plan_: Plan, echo=print) -> tuple[TaskResult, float] | None:
+def shared_result(plan_: Plan, ctx: TaskContext, echo=print) -> tuple[TaskResult, float] | None:
     """This point's task result when it can share a prefill with other points of the planned
     sweep (`SWEEP_PLANS`) not stored yet: the first of them runs the whole group
     (`Task.run_many`) and the others find theirs here. None: run the point alone."""
@@ -799,10 +799,6 @@ def shared_result(plan_: Plan, echo=print) -> tuple[TaskResult, float] | None:
             seen.add(p.key)
     if len(group) < 2:
         return None
-    model = load(plan_.spec.model)
-    ctx = TaskContext(model.params, model.cfg, model.tokenizer, plan_.policy, plan_.fmt,
-                      plan_.max_len, plan_.text, plan_.spec.seed, False, plan_.spec.progress,
-                      plan_.layout)
     t = time.perf_counter()
     results = plan_.spec.task.run_many(ctx, [p.policy for p in group])
     seconds = (time.perf_counter() - t) / len(group)

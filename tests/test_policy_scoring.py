@@ -298,6 +298,14 @@ def test_tova_layerwise_heads_agree():
     assert all(all(h == row[0] for h in row) for step in seen for row in step)
 
 
+def check_grown(seen, after, lengths, seed):
+    """After a compress-mode selection every decoded token is added and nothing is dropped."""
+    for step, got in enumerate(seen, start=1):
+        for b, held in enumerate(after):
+            grown = [sorted(h + list(range(lengths[b], lengths[b] + step))) for h in held]
+            assert got[b] == grown, f"seed {seed} row {b} decode {step}"
+
+
 def prefill_compress(policy, B, K, E, N, seed, steps, extra=0):
     """A seeded chunked prefill with padding through `policy`, then `compress(extra)`:
     (attention rows, keys, compressed cache, prompt length per row)."""
@@ -334,10 +342,7 @@ def test_compress_selection_matches_reference(name, opts):
                                       **opts)
             assert after[b] == want, f"seed {seed} row {b} (prompt {lengths[b]})"
         seen, _, _ = drive(cache, A, keys, [(1, np.ones(B, np.int64)) for _ in range(4)])
-        for step, got in enumerate(seen, start=1):
-            for b in range(B):
-                grown = [sorted(h + list(range(lengths[b], lengths[b] + step))) for h in after[b]]
-                assert got[b] == grown, f"seed {seed} row {b} decode {step}"
+        check_grown(seen, after, lengths, seed)
 
 
 @pytest.mark.parametrize("pool,kernel,window", [("max", 3, 3), ("avg", 5, 2)])
@@ -353,10 +358,7 @@ def test_snapkv_compress_matches_reference(pool, kernel, window):
             want = snapkv_reference(A[b], lengths[b], budget, window, kernel, pool)
             assert after[b] == want, f"seed {seed} row {b} (prompt {lengths[b]})"
         seen, _, _ = drive(cache, A, keys, [(1, np.ones(B, np.int64)) for _ in range(6)])
-        for step, got in enumerate(seen, start=1):
-            for b in range(B):
-                grown = [sorted(h + list(range(lengths[b], lengths[b] + step))) for h in after[b]]
-                assert got[b] == grown, f"seed {seed} row {b} decode {step}"
+        check_grown(seen, after, lengths, seed)
 
 
 def test_snapkv_head_averaged_selection():

@@ -23,7 +23,8 @@ from kvjax.config import ModelConfig
 from kvjax.model import forward
 from kvjax.policies import get_policy
 from kvjax.tasks.base import TaskContext, TaskResult, bar, check_positive, nll_chunk, register
-from kvjax.tasks.streaming import TextTask, running_mean, text_ids
+from kvjax.tasks.perplexity import nll_result
+from kvjax.tasks.streaming import TextTask, text_ids
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -71,12 +72,4 @@ class PerplexityRecompute(TextTask):
                                    jnp.asarray([m], jnp.int32), cache, ctx.cfg)
             nll[s:s + m] = np.asarray(out[0, :m])
         cache.check_finite()
-        ends = [min(s + chunk, n - 1) for s in starts]
-        mean = float(nll.mean(dtype=np.float64))
-        return TaskResult(
-            metrics={"perplexity": float(np.exp(mean)), "nll": mean, "n_tokens": n,
-                     "chunk_used": chunk},
-            arrays={"nll": nll},
-            curves={"step": ends, "running_nll": running_mean(nll, ends)},
-            cache=cache,
-        )
+        return nll_result(nll, n, chunk, starts, cache)

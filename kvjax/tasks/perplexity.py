@@ -31,14 +31,18 @@ class Perplexity(TextTask):
             return {"nll": out}, cache
 
         st = stream_text(self, ctx, step, ("nll",))
-        n, chunk = st.n, st.chunk
-        nll = st.values["nll"][: n - 1]  # nll[i] = -log p(ids[i+1] | ids[:i+1]); last: no target
-        ends = [min(s + chunk, n - 1) for s in st.starts if s < n - 1]
-        mean = float(nll.mean(dtype=np.float64))
-        return TaskResult(
-            metrics={"perplexity": float(np.exp(mean)), "nll": mean, "n_tokens": n,
-                     "chunk_used": chunk},
-            arrays={"nll": nll},
-            curves={"step": ends, "running_nll": running_mean(nll, ends)},
-            cache=st.cache,
-        )
+        # nll[i] = -log p(ids[i+1] | ids[:i+1]); the last token has no target
+        return nll_result(st.values["nll"][: st.n - 1], st.n, st.chunk, st.starts, st.cache)
+
+
+def nll_result(nll, n: int, chunk: int, starts, cache) -> TaskResult:
+    """The perplexity result of per-token NLLs [n - 1] scored in chunks starting at `starts`."""
+    ends = [min(s + chunk, n - 1) for s in starts if s < n - 1]
+    mean = float(nll.mean(dtype=np.float64))
+    return TaskResult(
+        metrics={"perplexity": float(np.exp(mean)), "nll": mean, "n_tokens": n,
+                 "chunk_used": chunk},
+        arrays={"nll": nll},
+        curves={"step": ends, "running_nll": running_mean(nll, ends)},
+        cache=cache,
+    )
