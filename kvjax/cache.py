@@ -76,6 +76,23 @@ def _bytes(tree) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def device_bytes(tree, device=None) -> int:
+    """Real bytes one device holds of every leaf: the sum of its addressable shards' nbytes
+    (`device`, default the device holding the most). A leaf that is not a sharded jax.Array
+    (numpy, ShapeDtypeStruct) counts whole."""
+    per: dict = {}
+    whole = 0
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            for s in x.addressable_shards:
+                per[s.device] = per.get(s.device, 0) + s.data.nbytes
+        else:
+            whole += _bytes(x)
+    if device is not None:
+        return whole + per.get(device, 0)
+    return whole + max(per.values(), default=0)
+
+
 def closed_form_bytes(cfg: ModelConfig, tokens: int, bytes_per_value: float, batch: int = 1):
     """2 · L · Hkv · D · T · bytes (· B): the textbook size of a KV cache."""
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * tokens * bytes_per_value * batch
@@ -143,9 +160,14 @@ class KVCache:
     def capacity(self) -> int:
         return self.pos.shape[-1]
 
-    def nbytes(self) -> int:
-        """Real bytes of every buffer: stored k/v, scales, positions, policy stats, lengths."""
-        return _bytes((self.k, self.v, self.pos, self.stats, self.length, self.nonfinite))
+    def buffers(self) -> tuple:
+        """Every array the cache holds (what `nbytes` counts)."""
+        return (self.k, self.v, self.pos, self.stats, self.length, self.nonfinite)
+
+    def nbytes(self, per_device: bool = False) -> int:
+        """Real bytes of every buffer: stored k/v, scales, positions, policy stats, lengths.
+        per_device: the bytes one device holds of a sharded cache (`kvjax.mesh`), the busiest."""
+        return device_bytes(self.buffers()) if per_device else _bytes(self.buffers())
 
     def kv_nbytes(self) -> int:
         """Bytes of the stored keys and values alone (format metadata included)."""
@@ -352,8 +374,8 @@ class HeadPool(KVCache):
         """Mean slots per kv head (what the closed form 2·L·Hkv·D·C·bytes needs)."""
         return self.pos.shape[-1] // self.n_heads
 
-    def nbytes(self) -> int:
-        return super().nbytes() + _bytes(self.owner)
+    def buffers(self) -> tuple:
+        return super().buffers() + (self.owner,)
 
     def head_slots(self) -> jax.Array:
         """Slots each kv head holds: [L, B, K] int32 (they sum to at most K · budget)."""
@@ -498,7 +520,9 @@ class LayerGroups:
         slots = sum(g.capacity * (hi - lo) for g, (lo, hi) in zip(self.groups, self.bounds))
         return slots / self.bounds[-1][1]
 
-    def nbytes(self) -> int:
+    def nbytes(self, per_device: bool = False) -> int:
+        if per_device:
+            return device_bytes(tuple(g.buffers() for g in self.groups))
         return sum(g.nbytes() for g in self.groups)
 
     def head_slots(self) -> jax.Array:
@@ -532,10 +556,13 @@ class LayerGroups:
 
 @dataclasses.dataclass(frozen=True)
 class DenseLayout:
-    """Contiguous `[L, B, K, C, E]` slots per row (`KVCache`); attention is the jnp reference."""
+    """Contiguous `[L, B, K, C, E]` slots per row (`KVCache`); attention is the jnp reference.
+    mesh: a `kvjax.mesh.MeshSpec` to shard the cache over (batch over data, kv heads over
+    model); None: one device."""
 
     name: ClassVar[str] = "dense"
     impl: str = "reference"
+    mesh: Any = None
 
     def __post_init__(self):
         if self.impl != "reference":
@@ -546,16 +573,23 @@ class DenseLayout:
 
     def validate(self, policy, fmt, max_len: int) -> None:
         policy.validate(max_len)
+        if self.mesh is not None:
+            self.mesh.check_devices()
 
     def init(self, cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None):
-        return KVCache.init(cfg, batch, policy, fmt, max_len)
+        cache = KVCache.init(cfg, batch, policy, fmt, max_len)
+        if self.mesh is None:
+            return cache
+        from kvjax.mesh import shard_cache
+
+        return shard_cache(cache, self.mesh)[0]
 
     def abstract(self, cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None):
         return KVCache.abstract(cfg, batch, policy, fmt, max_len)
 
 
 def get_layout(name: str = "dense", **options):
-    """A cache layout by name: "dense" (option: impl="reference") or "paged" (page_size=16,
+    """A cache layout by name: "dense" (options: impl="reference", mesh=None) or "paged" (page_size=16,
     num_pages=None, impl="reference"|"pallas", interpret=None, num_splits=None, probs=False).
     `layout.init(cfg, batch, policy, fmt, max_len)` builds the cache."""
     if name == "dense":

@@ -31,6 +31,7 @@ import numpy as np
 
 from kvjax.cache import closed_form_bytes, get_layout
 from kvjax.generate import decode, start
+from kvjax.mesh import MeshSpec, cache_specs, shard_params
 from kvjax.policies import POLICIES, get_policy
 from kvjax.results import (
     SCHEMA,
@@ -103,6 +104,8 @@ class RunSpec:
     sweep: str | None = None
     speed: SpeedSpec = SpeedSpec()
     cache: tuple[tuple[str, Any], ...] = (("layout", "dense"),)  # kvjax.cache.get_layout options
+    # devices: batch over data, kv heads over model (kvjax.mesh)
+    mesh: MeshSpec = dataclasses.field(default_factory=MeshSpec)
     results: str = "results/results.jsonl"
     baselines: str | None = None
     wandb: WandbSpec = WandbSpec()
@@ -317,6 +320,10 @@ def plan(spec: RunSpec) -> Plan:
     """Check the spec before any model work (the model's header and tokenizer are read, its
     weights are not); raise ConfigError naming the bad value."""
     _check_model_name(spec.model)
+    try:
+        spec.mesh.check_devices()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if spec.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={spec.wandb.mode!r}; valid choices: {', '.join(WANDB_MODES)}")
     fmt = build_format(spec.kv_dtype, dict(spec.kv_options))
@@ -355,7 +362,7 @@ def plan(spec: RunSpec) -> Plan:
             "(or policy=full for the uncompressed cache)"
         )
     try:
-        layout = build_layout(spec.cache)
+        layout = build_layout(spec.cache, spec.mesh)
         layout.validate(policy, fmt, max_len)
         layout.abstract(cfg, 1, policy, fmt, max_len)  # the format against the real head dim
     except ValueError as e:
@@ -389,12 +396,22 @@ def plan(spec: RunSpec) -> Plan:
     return Plan(spec, policy, fmt, max_len, layout, point, config_hash(point), text, source, notes)
 
 
-def build_layout(options) -> Any:
-    """The cache layout of `cache.*` options; paged-only options are dropped for `dense`."""
+def build_layout(options, mesh: MeshSpec | None = None) -> Any:
+    """The cache layout of `cache.*` options; paged-only options are dropped for `dense`,
+    which carries the mesh (a trivial 1 x 1 mesh is no mesh, so its points keep their keys)."""
     opts = dict(options)
     name = opts.pop("layout", "dense")
+    mesh = mesh or MeshSpec()
     if name == "dense":
         opts = {k: v for k, v in opts.items() if k == "impl"}
+        if not mesh.trivial:
+            opts["mesh"] = mesh
+    elif not mesh.trivial:
+        raise ConfigError(
+            f"mesh.data={mesh.data} mesh.model={mesh.model} shards the dense cache; "
+            f"cache.layout={name!r} keeps one page pool for every row (use cache.layout=dense, "
+            "or mesh.data=1 mesh.model=1)"
+        )
     return get_layout(name, **opts)
 
 
@@ -710,9 +727,14 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
     t_start = time.perf_counter()
     model = load(spec.model)
     cfg = model.cfg
+    params, mesh = model.params, getattr(plan_.layout, "mesh", None)
+    if mesh is not None:
+        params, param_reasons = shard_params(params, cfg, mesh)
+        for r in param_reasons:
+            echo(f"note: mesh: {r}")
     text, source = plan_.text, plan_.text_source
     text_sha = sha256_text(text)
-    ctx = TaskContext(model.params, cfg, model.tokenizer, plan_.policy, plan_.fmt,
+    ctx = TaskContext(params, cfg, model.tokenizer, plan_.policy, plan_.fmt,
                       plan_.max_len, text, spec.seed, is_baseline_point(plan_), spec.progress,
                       plan_.layout)
     if precomputed is None:
@@ -737,6 +759,14 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
     task = spec.task
     value = result.metrics[task.metric]
     b = base.get(task.metric)
+    cache_info = cache_bytes(cfg, probe_cache, plan_.fmt, plan_.max_len)
+    if mesh is not None:
+        cache_reasons = cache_specs(probe_cache, mesh).reasons
+        for r in cache_reasons:
+            echo(f"note: mesh: {r}")
+        cache_info |= {"per_device_bytes": probe_cache.nbytes(per_device=True),
+                       "mesh": {**dataclasses.asdict(mesh), "replicated": param_reasons
+                                + cache_reasons}}
     metrics = {"task": task.name, "metric": task.metric, "value": value, "baseline": b,
                "delta": None if b is None else value - b,
                "higher_is_better": task.higher_is_better, "baseline_source": base_source,
@@ -750,7 +780,7 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
         "text": {"source": source, "sha256": text_sha, "n_chars": len(text),
                  "n_tokens": plan_.point["text"]["n_tokens"]},
         "metrics": metrics, "baseline_metrics": base,
-        "cache": cache_bytes(cfg, probe_cache, plan_.fmt, plan_.max_len),
+        "cache": cache_info,
         "timings": timings, "env": environment(), "git": git_info(),
     })
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -879,6 +909,15 @@ def format_table(record: dict) -> str:
          "format formula (values + scales/zero points + residual) + positions + stats"),
         ("payload", _fmt_bytes(c.get("payload_bytes")),
          f"2*L*Hkv*D*C*bytes, C={c['capacity']}, {c['bytes_per_value']} B/value (no metadata)"),
+    ]
+    if "mesh" in c:
+        mesh = c["mesh"]
+        rows.append(("cache bytes per device", _fmt_bytes(c["per_device_bytes"]),
+                     f"the measured cache (all rows) on the busiest of {mesh['data']} x "
+                     f"{mesh['model']} devices" + (f"; {len(mesh['replicated'])} axis(es) "
+                                                   "replicated (record: cache.mesh)"
+                                                   if mesh["replicated"] else "")))
+    rows += [
         ("compression", f"{c['compression']:.2f}x",
          f"vs a full f32 cache of {pt['max_len']} tokens ({_fmt_bytes(c['full_f32_bytes'])})"),
     ]
@@ -896,7 +935,12 @@ def format_table(record: dict) -> str:
     ]
     policy = f"{pol['name']}({opts})" if opts else pol["name"]
     layout = pt.get("cache")
-    layout = f" | cache={layout['layout']}(page={layout['page_size']}, {layout['impl']})" if layout else ""
+    if layout and layout["layout"] == "paged":
+        layout = f" | cache=paged(page={layout['page_size']}, {layout['impl']})"
+    elif layout and layout.get("mesh"):
+        layout = f" | mesh=data {layout['mesh']['data']} x model {layout['mesh']['model']}"
+    else:
+        layout = ""
     head = (f"kvjax | model={pt['model']['name']} | policy={policy} | "
             f"kv_dtype={pt['kv_dtype']}{layout} | task={pt['task']['name']}({task})")
     w0 = max(len(r[0]) for r in rows)

@@ -22,6 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, plan, run
 from kvjax.loading.hub import cache_root
+from kvjax.mesh import MeshSpec
 from kvjax.results import ResultsStore, record_failure
 from kvjax.tasks import TASKS, get_task
 
@@ -47,6 +48,12 @@ class CacheConf:
     impl: str = "reference"  # attention: reference | pallas (paged only)
     page_size: int = 16  # paged only
     num_pages: int | None = None  # paged only; null: enough that no row waits
+
+
+@dataclasses.dataclass
+class MeshConf:
+    data: int = 1  # devices the batch is split over
+    model: int = 1  # devices the kv heads (cache, attention, projections) are split over
 
 
 @dataclasses.dataclass
@@ -78,6 +85,7 @@ class RunConf:
     xla_cache: str | None = None
     speed: SpeedConf = dataclasses.field(default_factory=SpeedConf)
     cache: CacheConf = dataclasses.field(default_factory=CacheConf)
+    mesh: MeshConf = dataclasses.field(default_factory=MeshConf)
     wandb: WandbConf = dataclasses.field(default_factory=WandbConf)
 
 
@@ -141,6 +149,10 @@ def spec_from_config(cfg: DictConfig) -> RunSpec:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     m = c["model"]
+    try:
+        mesh = MeshSpec(**c["mesh"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return RunSpec(
         task=task,
         model=ModelSpec(m["name"], m["init_seed"], tuple(sorted(m["overrides"].items()))),
@@ -149,7 +161,7 @@ def spec_from_config(cfg: DictConfig) -> RunSpec:
         kv_dtype=c["kv_dtype"],
         kv_options=tuple(sorted(c["kv_options"].items())),
         budget=c["budget"], ratio=c["ratio"], seed=c["seed"], max_len=c["max_len"], sweep=c["sweep"],
-        speed=SpeedSpec(**c["speed"]), cache=tuple(c["cache"].items()), results=_abs(c["results"]),
+        speed=SpeedSpec(**c["speed"]), cache=tuple(c["cache"].items()), mesh=mesh, results=_abs(c["results"]),
         baselines=_abs(c["baselines"]), wandb=WandbSpec(**c["wandb"]), force=c["force"],
         progress=c["progress"], allow_dirty=c["allow_dirty"], config=c,
     )
