@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -77,22 +78,51 @@ def test_an_interrupted_append_leaves_the_store_intact(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-def _writer(path: str, worker: int, n: int) -> None:
+def _payload(worker: int, i: int) -> str:
+    """A record body of varying length (up to ~8 KiB, past one page) that names its writer."""
+    return f"{worker}-{i}:" + "x" * ((worker * 977 + i * 131) % 8000)
+
+
+def _writer(path: str, worker: int, n: int, go) -> None:
     store = ResultsStore(path)
+    go.wait(60)  # every writer starts at once
     for i in range(n):
-        store.append(record(f"{worker}-{i}"))
+        rec = record(f"{worker}-{i}")
+        body = _payload(worker, i)
+        rec["payload"] = {"body": body, "sha256": hashlib.sha256(body.encode()).hexdigest()}
+        store.append(rec)
+        if i == n // 2:
+            store.append(record("shared", value=float(worker)))  # one key, many writers
 
 
 def test_concurrent_writers_keep_every_record(tmp_path):
+    """8 processes x 50 records into one store at once (what parallel sweep workers do): every
+    record present exactly once and whole, the contested key stored once, no corrupt line."""
     path = str(tmp_path / "r.jsonl")
+    workers, n = 8, 50
     ctx = mp.get_context("spawn")  # the children must not inherit JAX's threads
-    procs = [ctx.Process(target=_writer, args=(path, w, 8)) for w in range(3)]
+    go = ctx.Event()
+    procs = [ctx.Process(target=_writer, args=(path, w, n, go)) for w in range(workers)]
     for p in procs:
         p.start()
+    go.set()
     for p in procs:
-        p.join(60)
-    keys = [r["key"] for r in ResultsStore(path).records()]
-    assert sorted(keys) == sorted(f"{w}-{i}" for w in range(3) for i in range(8))
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0] * workers
+    recs, problems = ResultsStore(path).read()
+    assert problems == []
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) == len(recs) == workers * n + 1
+    keys = [r["key"] for r in recs]
+    assert sorted(keys) == sorted([f"{w}-{i}" for w in range(workers) for i in range(n)]
+                                  + ["shared"])
+    for r in recs:
+        if r["key"] != "shared":
+            w, i = map(int, r["key"].split("-"))
+            body = r["payload"]["body"]
+            assert body == _payload(w, i)
+            assert hashlib.sha256(body.encode()).hexdigest() == r["payload"]["sha256"]
 
 
 def test_config_hash_is_order_independent_and_to_jsonable():
