@@ -176,11 +176,9 @@ def shard_cache(cache, spec: MeshSpec):
     return s.place(cache, build_mesh(spec)), s.reasons
 
 
-def abstract_sharded(abstract, spec: MeshSpec):
-    """An abstract cache (`KVCache.abstract`) with each leaf's per-device shape: what one device
-    holds, computed from the specs and the mesh sizes alone (no devices needed: size a 64-way
-    mesh on a laptop). Returns (per-device ShapeDtypeStructs, reasons)."""
-    s = cache_specs(abstract, spec)
+def local_shapes(abstract, sharding: Sharding, spec: MeshSpec):
+    """Each leaf's per-device ShapeDtypeStruct under `sharding`, from the mesh sizes alone (no
+    devices needed: size a 64-way mesh on a laptop)."""
     sizes = {"data": spec.data, "model": spec.model}
 
     def local(x, p):
@@ -190,4 +188,11 @@ def abstract_sharded(abstract, spec: MeshSpec):
                 shape[i] //= sizes[ax]
         return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
-    return jax.tree.map(local, abstract, s.specs), s.reasons
+    return jax.tree.map(local, abstract, sharding.specs)
+
+
+def abstract_sharded(abstract, spec: MeshSpec):
+    """An abstract cache (`KVCache.abstract`) as one device holds it under `cache_specs`:
+    (per-device ShapeDtypeStructs, reasons)."""
+    s = cache_specs(abstract, spec)
+    return local_shapes(abstract, s, spec), s.reasons
