@@ -11,8 +11,8 @@ from kvjax import harness
 
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
-def main(cfg) -> None:
-    harness.main(cfg)
+def main(cfg) -> float:
+    return harness.main(cfg)  # the point's objective, for a searching sweeper (Optuna)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,12 @@ class MeshConf:
 
 
 @dataclasses.dataclass
+class ObjectiveConf:
+    max_cache_bytes: int | None = None  # memory cap on cache.total_bytes (null: none)
+    penalty: float | None = None  # a point over the cap returns this (null: PENALTY, signed)
+
+
+@dataclasses.dataclass
 class WandbConf:
     mode: str = "offline"
     project: str = "kvjax"
@@ -86,6 +92,7 @@ class RunConf:
     speed: SpeedConf = dataclasses.field(default_factory=SpeedConf)
     cache: CacheConf = dataclasses.field(default_factory=CacheConf)
     mesh: MeshConf = dataclasses.field(default_factory=MeshConf)
+    objective: ObjectiveConf = dataclasses.field(default_factory=ObjectiveConf)
     wandb: WandbConf = dataclasses.field(default_factory=WandbConf)
 
 
@@ -206,8 +213,28 @@ def in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+PENALTY = 1e9  # |objective| of a point over the memory cap, worse than any real metric
+
+
+def objective(record: dict, max_cache_bytes: int | None, penalty: float | None,
+              echo=print) -> float:
+    """What a searching sweeper (hydra/sweeper=optuna) optimizes: the point's task metric, or
+    `penalty` when its cache (`cache.total_bytes`, every buffer) is above `max_cache_bytes`.
+    The point has run and is recorded either way, so the search's every trial is in the store.
+    penalty=None: PENALTY where lower is better, -PENALTY where higher is."""
+    m, nbytes = record["metrics"], record["cache"]["total_bytes"]
+    if max_cache_bytes is None or nbytes <= max_cache_bytes:
+        return float(m["value"])
+    if penalty is None:
+        penalty = -PENALTY if m["higher_is_better"] else PENALTY
+    echo(f"objective: {penalty:g} (penalty): cache {nbytes} bytes > the cap "
+         f"objective.max_cache_bytes={max_cache_bytes}; the point is recorded")
+    return float(penalty)
+
+
 def main(cfg: DictConfig):
     """One run from a composed config; a ConfigError exits with its message (status 2).
+    Returns the point's objective (`objective`), which a searching sweeper (Optuna) optimizes.
 
     A point that fails after it was planned is stored as a failure record (the report lists
     it; a single run's bad input, found after planning, is only its error) and its error is
@@ -224,7 +251,9 @@ def main(cfg: DictConfig):
         sys.exit(2)
     try:
         set_xla_cache(cfg.xla_cache)
-        return run(planned, run_dir(), echo)
+        out = run(planned, run_dir(), echo)
+        return objective(out.record or out.existing, cfg.objective.max_cache_bytes,
+                         cfg.objective.penalty, echo)
     except KeyboardInterrupt:
         echo("interrupted: this point was not recorded; the results store is intact",
              file=sys.stderr)
