@@ -137,7 +137,7 @@ def write_doc(path: Path = DOC) -> str:
         "gives the shapes, `kvjax.mesh.abstract_sharded` each device's share under the",
         "sharding `python run.py mesh.data=N mesh.model=M` uses). Models: the published",
         "configs of Llama-3-8B (32 layers, 8 kv heads, head dim 128) and Llama-3-70B (80 layers,",
-        "8 kv heads, head dim 128).",
+        "8 kv heads, head dim 128). How to run on a mesh: docs/scale-out.md.",
         "",
         "## Rule",
         "",
