@@ -83,7 +83,7 @@ def device_bytes(tree, device=None) -> int:
     per: dict = {}
     whole = 0
     for x in jax.tree.leaves(tree):
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        if isinstance(x, jax.Array):
             for s in x.addressable_shards:
                 per[s.device] = per.get(s.device, 0) + s.data.nbytes
         else:

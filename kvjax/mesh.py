@@ -17,6 +17,7 @@ policy's stats follows the layout [L, B, K, C, ...]: B over `data`, K over `mode
 replicated, and the reason is returned (`Sharding.reasons`) for the caller to show and record.
 A head pool (`HeadPool`, AdaKV) keeps all heads in one slot axis: batch only. Layer groups
 (pyramid) shard each group. The paged layout (a page pool shared by all rows) is refused.
+Several processes (hosts) join one mesh through `init_distributed`.
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ class MeshSpec:
                 f"process has {have} ({jax.default_backend()}); on CPU start it with "
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={self.size}, or lower the mesh"
             )
+
+
+def init_distributed(coordinator: str, num_processes: int, process_id: int) -> None:
+    """Join a multi-process JAX job (one process per host, or several on one host) before any
+    other JAX work: `jax.devices()`, and with it `build_mesh`, then spans every process's
+    devices, and `jit` runs the sharded program on all of them. CPU collectives go through
+    gloo (GPU ones through NCCL, as JAX chooses)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id)
 
 
 @functools.cache
