@@ -178,9 +178,9 @@ def test_too_few_devices_is_one_clear_error():
 
 
 def test_run_py_sweeps_the_mesh_with_equal_results(tmp_path):
-    """`run.py -m mesh.data=1,2 mesh.model=1,2` on 4 forced devices: four points (the mesh is a
-    layout, so it is in each point's key and record), one perplexity; too few devices is one
-    line before the model loads."""
+    """`run.py -m mesh={data:1,model:1},{data:2,model:2}` on 4 forced devices: two points (the
+    mesh is a layout, so it is in each point's key and record), one perplexity; too few
+    devices is one line before the model loads."""
     from kvjax.results import ResultsStore
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -190,24 +190,23 @@ def test_run_py_sweeps_the_mesh_with_equal_results(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
     run_py = [sys.executable, os.path.join(root, "run.py")]
-    p = subprocess.run([*run_py, "-m", *args, "mesh.data=1,2", "mesh.model=1,2",
+    p = subprocess.run([*run_py, "-m", *args, "mesh={data:1,model:1},{data:2,model:2}",
                         f"hydra.sweep.dir={tmp_path}/m"], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=600, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = {(r["point"].get("cache", {}).get("mesh") or {}).get("model", 1) * 10
             + (r["point"].get("cache", {}).get("mesh") or {}).get("data", 1): r
             for r in ResultsStore(tmp_path / "r.jsonl").records()}
-    assert sorted(recs) == [11, 12, 21, 22] and len({r["key"] for r in recs.values()}) == 4
-    one = recs[11]
+    assert sorted(recs) == [11, 22] and len({r["key"] for r in recs.values()}) == 2
+    one, mesh = recs[11], recs[22]
     assert "mesh" not in one["cache"] and "cache" not in one["point"]  # no mesh: keys unchanged
-    for r in recs.values():
-        assert abs(r["metrics"]["value"] - one["metrics"]["value"]) < 1e-5
-    assert recs[21]["cache"]["per_device_bytes"] == recs[22]["cache"]["per_device_bytes"]
-    assert recs[12]["cache"]["per_device_bytes"] == one["cache"]["total_bytes"]  # batch 1
-    assert recs[12]["cache"]["mesh"]["replicated"] == [
+    assert abs(mesh["metrics"]["value"] - one["metrics"]["value"]) < 1e-5
+    assert mesh["cache"]["mesh"]["replicated"] == [
         "batch rows: 1 do not divide over mesh.data=2; replicated"]
+    # batch 1 is replicated over data, kv heads split over model: half of k, v, pos, stats
     kv = one["cache"]["kv_bytes"]
-    assert one["cache"]["total_bytes"] - recs[21]["cache"]["per_device_bytes"] > kv // 2 - 1024
+    assert one["cache"]["total_bytes"] - mesh["cache"]["per_device_bytes"] > kv // 2 - 1024
+    assert "mesh=data 2 x model 2" in p.stdout and "cache bytes per device" in p.stdout
     few = subprocess.run([*run_py, *args, "mesh.data=2", "mesh.model=4",
                           f"hydra.run.dir={tmp_path}/r"],
                          env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2"),
