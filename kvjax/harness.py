@@ -57,6 +57,13 @@ class MeshConf:
 
 
 @dataclasses.dataclass
+class DistributedConf:
+    coordinator: str | None = None  # host:port of process 0; null: one process
+    num_processes: int = 1
+    process_id: int = 0
+
+
+@dataclasses.dataclass
 class ObjectiveConf:
     max_cache_bytes: int | None = None  # memory cap on cache.total_bytes (null: none)
     penalty: float | None = None  # a point over the cap returns this (null: PENALTY, signed)
@@ -93,6 +100,7 @@ class RunConf:
     cache: CacheConf = dataclasses.field(default_factory=CacheConf)
     mesh: MeshConf = dataclasses.field(default_factory=MeshConf)
     objective: ObjectiveConf = dataclasses.field(default_factory=ObjectiveConf)
+    distributed: DistributedConf = dataclasses.field(default_factory=DistributedConf)
     wandb: WandbConf = dataclasses.field(default_factory=WandbConf)
 
 
@@ -243,6 +251,11 @@ def main(cfg: DictConfig):
     store intact (records are only ever appended whole, see `kvjax.results`)."""
     logging.getLogger("jax").setLevel(logging.WARNING)
     echo = run_log_echo()
+    d = cfg.distributed
+    if d.num_processes > 1:  # before any JAX work: the mesh then spans every process
+        from kvjax.mesh import init_distributed
+
+        init_distributed(d.coordinator, d.num_processes, d.process_id)
     try:
         spec = spec_from_config(cfg)
         planned = plan(spec)

@@ -1,6 +1,6 @@
 """Two local processes, 2 CPU devices each, joined by `jax.distributed` (gloo collectives) into
-one 2 x 2 mesh: the sharded forward over both equals one process's unsharded forward. (The
-harness does not run a point across processes yet: docs/scale-out.md.)"""
+one 2 x 2 mesh: the sharded forward over both equals one process's unsharded forward, and a
+`run.py` point run by both is recorded once with one process's perplexity."""
 
 import os
 import socket
@@ -78,3 +78,39 @@ def test_two_processes_share_one_mesh(tmp_path):
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+
+
+def test_run_py_point_across_two_processes(tmp_path):
+    """The same `run.py` command in 2 processes (distributed.*, 2 CPU devices each, a 2 x 2
+    mesh): one record (the second process finds the key stored), its perplexity equal to the
+    point run in one process without a mesh."""
+    from hydra import compose, initialize_config_dir
+
+    from kvjax import harness
+    from kvjax.experiment import run
+    from kvjax.results import ResultsStore
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    point = ["model=tiny", "task.length=48", "task.chunk=16", "speed.prompt=0",
+             "wandb.mode=disabled", "policy=h2o", "budget=32", "policy.window=8"]
+    args = [*point, "mesh.data=2", "mesh.model=2", f"results={tmp_path}/r.jsonl", "xla_cache=null",
+            f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "run.py"), *args,
+                               f"distributed.process_id={i}", f"hydra.run.dir={tmp_path}/p{i}"],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    (rec,) = ResultsStore(tmp_path / "r.jsonl").records()
+    assert rec["point"]["cache"]["mesh"] == {"data": 2, "model": 2}
+    assert sum("already there" in log for log in logs) == 1
+    with initialize_config_dir(str(harness.CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*point, f"results={tmp_path}/one.jsonl",
+                                           "xla_cache=null"])
+    one = run(harness.spec_from_config(cfg), tmp_path / "one", echo=lambda *a, **k: None)
+    assert abs(rec["metrics"]["value"] - one.record["metrics"]["value"]) < 1e-5
+    assert rec["cache"]["per_device_bytes"] < one.record["cache"]["total_bytes"]
