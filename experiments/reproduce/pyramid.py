@@ -111,7 +111,7 @@ class Pyramid(Reproduction):
                    "one uniform budget at small budgets (needle, LongBench, Ruler)")
 
     def add_arguments(self, parser):
-        parser.add_argument("--budgets", type=_ints, default=(48, 64, 96),
+        parser.add_argument("--budgets", type=_ints, default=(48, 96),
                             help="mean slots per kv head and layer (the uniform budget)")
         parser.add_argument("--window", type=int, default=16,
                             help="SnapKV's observation window / H2O's recent window")
@@ -119,13 +119,14 @@ class Pyramid(Reproduction):
         parser.add_argument("--passkey-samples", type=int, default=20)
         parser.add_argument("--needle-lengths", type=_ints, default=(256,),
                             help="needle grid lengths (empty: no needle task)")
-        parser.add_argument("--needle-depths", type=_floats, default=(0.1, 0.5, 0.9))
+        parser.add_argument("--needle-depths", type=_floats, default=(0.25, 0.75))
         parser.add_argument("--needle-samples", type=int, default=20, help="samples per cell")
         parser.add_argument("--policies", type=lambda v: tuple(v.split(",")),
-                            default=tuple(POLICIES), help=f"among {','.join(POLICIES)}")
+                            default=("snapkv", "pyramid", "adasnapkv", "snapkv-mean"),
+                            help=f"among {','.join(POLICIES)}")
 
     def quick_defaults(self):
-        return {"budgets": (64,), "passkey_length": 256, "passkey_samples": 3,
+        return {"budgets": (48,), "passkey_length": 128, "passkey_samples": 2,
                 "needle_lengths": (), "policies": ("snapkv", "pyramid", "adasnapkv")}
 
     def tasks(self, args):
@@ -156,8 +157,8 @@ class Pyramid(Reproduction):
 
     def check(self, done, extra):
         """The comparison is at equal bytes: at each task and budget every policy's measured
-        k+v bytes equal the uniform cache's (a head pool adds only its owner byte per slot);
-        and the full cache retrieves (the task is answerable at all)."""
+        k+v bytes equal the uniform cache's (a head pool adds only its owner byte per slot, at
+        most 1/256 of them); and the full cache retrieves (the task is answerable at all)."""
         groups: dict[tuple[str, str], dict[str, dict]] = {}
         for label, d in done.items():
             t, b, *rest = label.split("/")
@@ -172,7 +173,8 @@ class Pyramid(Reproduction):
                 assert c["kv_bytes"] == ref, (f"{t} budget {b}: {lab} holds {c['kv_bytes']} k+v "
                                               f"bytes, uniform snapkv {ref}: not equal bytes")
                 extra_bytes = c["total_bytes"] - caches["snapkv"]["total_bytes"]
-                assert 0 <= extra_bytes <= c["capacity"] * 30 * 3, (
+                # a pool's owner: 1 byte per slot, against 2 · D · bytes >= 256 of k+v
+                assert 0 <= extra_bytes <= ref / 256, (
                     f"{t} budget {b}: {lab} uses {extra_bytes} bytes more than uniform snapkv")
 
     def body(self, args, done, extra, img_dir):
