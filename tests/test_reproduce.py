@@ -124,6 +124,16 @@ def test_pyramid_compare_counts_only_separated_intervals_as_wins():
                    (64, "pyramid"): "loss", (64, "adasnapkv"): "tie"}
 
 
+@pytest.mark.parametrize("answer,lost", [(" 865.\nsystem", True), (" 8656.", True),
+                                         (" 86556.", False), (" 123456.", False),
+                                         (" 8655 6", True), (" none", False)])
+def test_pyramid_lost_digits_is_a_proper_subsequence_of_the_key(answer, lost):
+    from experiments.reproduce.pyramid import lost_digits
+
+    row = {"answer": answer, "key": 86556, "correct": "86556" in answer}
+    assert lost_digits(row) is lost
+
+
 @pytest.mark.parametrize("k,n", [(0, 20), (1, 20), (10, 20), (19, 20), (20, 20), (3, 7)])
 def test_wilson_endpoints_solve_the_score_equation(k, n):
     """Wilson's interval is the set of p with |k/n - p| <= z sqrt(p (1 - p) / n): each endpoint

@@ -13,6 +13,7 @@ cache, so "equal bytes" is read from the records, not assumed.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -60,6 +61,17 @@ def tally(d: Done) -> tuple[int, int]:
         return int(m["n_correct"]), int(m["n_samples"])
     cells = np.asarray(m["grid"]["accuracy"]) * m["n_samples"]
     return round(float(cells.sum())), int(cells.size * m["n_samples"])
+
+
+def lost_digits(row: dict) -> bool:
+    """A wrong answer whose first number is the key with digits missing (a proper
+    subsequence of it, e.g. 865 for 86556): the selection kept only some digit tokens."""
+    m = re.search(r"\d+", row["answer"])
+    key = str(row["key"])
+    if row["correct"] or m is None or m.group() == key:
+        return False
+    it = iter(key)
+    return all(c in it for c in m.group())
 
 
 def fmt_acc(k: int, n: int) -> str:
@@ -182,6 +194,7 @@ class Pyramid(Reproduction):
         sections = [self.setting(args, tasks)]
         for tname, task in tasks:
             sections.append(self.task_table(args, done, tname, task))
+        sections.append(self.lost_table(args, done, tasks))
         sections.append(self.bytes_table(args, done, tasks))
         fig = self.figure(args, done, tasks)
         path = img_dir / f"{self.name}_accuracy.png"
@@ -254,6 +267,24 @@ class Pyramid(Reproduction):
                         f"{sum(r['depth'] == d for r in rows)}" for d in task.depths) + " |")
         return "\n".join(head)
 
+    def lost_table(self, args, done, tasks) -> str:
+        rows = ["### Wrong answers that are the number with digits missing", "",
+                ("SmolLM2's digits are single tokens. A selection per kv head can keep a "
+                 "digit's key in one head and drop it in another; the answer then comes out "
+                 "with digits missing (e.g. \"865\" for 86556). Count of such answers among "
+                 "the wrong ones:"), "",
+                "| task | budget b | " + " | ".join(args.policies) + " |",
+                "|---|---|" + "---|" * len(args.policies)]
+        for tname, _ in tasks:
+            for b in args.budgets:
+                cells = []
+                for p in args.policies:
+                    rs = correct(done[f"{tname}/{b}/{p}"])
+                    cells.append(f"{sum(map(lost_digits, rs))} of "
+                                 f"{sum(not r['correct'] for r in rs)}")
+                rows.append(f"| {tname} | {b} | " + " | ".join(cells) + " |")
+        return "\n".join(rows)
+
     def bytes_table(self, args, done, tasks) -> str:
         rows = ["### Measured cache bytes per sequence (from the records)", "",
                 ("Each point's record measures its final cache (after the answer was decoded "
@@ -292,6 +323,14 @@ class Pyramid(Reproduction):
             f"estimate reallocation is ahead in {ahead}, behind in {behind}, level in "
             f"{len(cmp) - ahead - behind}. Reproduced would need every reallocating policy to "
             f"win at the smallest budget ({small}) on some task and to lose nowhere.")]
+        if "snapkv-mean" in args.policies:
+            pairs = [(tally(done[f"{t}/{b}/snapkv-mean"]), tally(done[f"{t}/{b}/snapkv"]), t, b)
+                     for t, _ in tasks for b in args.budgets]
+            lines.append("\n" + (
+                "For context, one selection per layer with the heads' scores averaged (no "
+                "reallocation, and no head can keep a digit the others drop) against per-head "
+                "SnapKV: " + "; ".join(f"{t} b={b}: {km}/{n} vs {ku}/{n}"
+                                       for (km, n), (ku, _), t, b in pairs) + "."))
         ours = (f"{len(wins)} wins, {len(losses)} losses of {len(cmp)} (Wilson 95 %); "
                 f"ahead {ahead}, behind {behind}")
         return "\n".join(lines), ours, word
