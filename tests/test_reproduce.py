@@ -81,6 +81,76 @@ def test_streamingllm_check_fails_when_sinks_do_not_help(tmp_path):
         rep.check({**good, "W64/recompute": _done(tmp_path, "r2", 2.0)}, {})
 
 
+def test_tova_check_fails_when_tova_does_not_beat_the_window(tmp_path):
+    rep = get("tova")
+    good = {"full": _done(tmp_path, "f", 2.5), "0.5/tova": _done(tmp_path, "t", 2.6),
+            "0.5/window": _done(tmp_path, "w", 3.2)}
+    rep.check(good, {})
+    with pytest.raises(AssertionError, match="window"):
+        rep.check({**good, "0.5/window": _done(tmp_path, "w2", 2.62)}, {})
+
+
+def _retrieval(k, n, kv=None, total=None, capacity=74):
+    cache = {"kv_bytes": kv, "total_bytes": total, "capacity": capacity}
+    return Done("x", {"metrics": {"n_correct": k, "n_samples": n}, "cache": cache})
+
+
+def test_pyramid_check_fails_on_unequal_bytes_or_an_unanswerable_task():
+    """The comparison must be at equal k+v bytes (a head pool may add its owner byte per
+    slot, nothing else), and the full cache must retrieve."""
+    rep = get("pyramid")
+    good = {"passkey/full": _retrieval(5, 5),
+            "passkey/64/snapkv": _retrieval(0, 5, 51200, 52000),
+            "passkey/64/pyramid": _retrieval(1, 5, 51200, 52012),
+            "passkey/64/adasnapkv": _retrieval(2, 5, 51200, 52000 + 200)}
+    rep.check(good, {})
+    with pytest.raises(AssertionError, match="not equal bytes"):
+        rep.check({**good, "passkey/64/pyramid": _retrieval(1, 5, 51300, 52112)}, {})
+    with pytest.raises(AssertionError, match="more than uniform"):
+        rep.check({**good, "passkey/64/adasnapkv": _retrieval(2, 5, 51200, 52000 + 201)}, {})
+    with pytest.raises(AssertionError, match="full cache retrieves"):
+        rep.check({**good, "passkey/full": _retrieval(2, 5)}, {})
+
+
+def test_pyramid_compare_counts_only_separated_intervals_as_wins():
+    from experiments.reproduce.pyramid import compare
+
+    done = {"passkey/48/snapkv": _retrieval(2, 20), "passkey/48/pyramid": _retrieval(15, 20),
+            "passkey/48/adasnapkv": _retrieval(5, 20), "passkey/64/snapkv": _retrieval(18, 20),
+            "passkey/64/pyramid": _retrieval(6, 20), "passkey/64/adasnapkv": _retrieval(18, 20)}
+    got = {(c["budget"], c["policy"]): c["result"] for c in
+           compare(done, ["passkey"], (48, 64), ("snapkv", "pyramid", "adasnapkv"))}
+    assert got == {(48, "pyramid"): "win", (48, "adasnapkv"): "tie",
+                   (64, "pyramid"): "loss", (64, "adasnapkv"): "tie"}
+
+
+@pytest.mark.parametrize("answer,lost", [(" 865.\nsystem", True), (" 8656.", True),
+                                         (" 86556.", False), (" 123456.", False),
+                                         (" 8655 6", True), (" none", False)])
+def test_pyramid_lost_digits_is_a_proper_subsequence_of_the_key(answer, lost):
+    from experiments.reproduce.pyramid import lost_digits
+
+    row = {"answer": answer, "key": 86556, "correct": "86556" in answer}
+    assert lost_digits(row) is lost
+
+
+@pytest.mark.parametrize("k,n", [(0, 20), (1, 20), (10, 20), (19, 20), (20, 20), (3, 7)])
+def test_wilson_endpoints_solve_the_score_equation(k, n):
+    """Wilson's interval is the set of p with |k/n - p| <= z sqrt(p (1 - p) / n): each endpoint
+    inside (0, 1) solves it with equality, and the interval holds k/n."""
+    from experiments.reproduce.common import wilson
+
+    z = 1.959964
+    lo, hi = wilson(k, n)
+    assert 0 <= lo <= k / n <= hi <= 1
+    for p in (lo, hi):
+        if 0 < p < 1:
+            assert (k / n - p) ** 2 == pytest.approx(z * z * p * (1 - p) / n, rel=1e-9)
+    assert (lo == 0) == (k == 0) and (hi == 1) == (k == n)
+    with pytest.raises(ValueError, match="k=5, n=4"):
+        wilson(5, 4)
+
+
 def test_unknown_reproduction_names_the_choices():
     with pytest.raises(SystemExit, match="streamingllm"):
         main(["nosuchpaper"])

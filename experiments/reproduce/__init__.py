@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 
 PAPERS = {"streamingllm": "experiments.reproduce.streamingllm",
-          "h2o": "experiments.reproduce.h2o"}
+          "h2o": "experiments.reproduce.h2o",
+          "tova": "experiments.reproduce.tova",
+          "pyramid": "experiments.reproduce.pyramid"}
 
 
 def get(name: str):
