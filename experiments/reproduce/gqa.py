@@ -19,6 +19,7 @@ and `body` checks that the two agree.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from kvjax.convert import convert_kv_heads
 from kvjax.experiment import ModelSpec, load
 from kvjax.formats import get_format
 from kvjax.policies import get_policy
+from kvjax.results import atomic_write_text
 from kvjax.tasks.base import TaskContext
 from kvjax.tasks.perplexity import Perplexity
 from kvjax.tasks.text import default_text
@@ -84,7 +86,7 @@ class GQA(Reproduction):
         parser.add_argument("--model", default="smollm2-135m", help="registered name or path")
         parser.add_argument("--length", type=int, default=1024, help="evaluation tokens")
         parser.add_argument("--chunk", type=int, default=256, help="evaluation tokens per forward")
-        parser.add_argument("--steps", type=int, default=20, help="uptraining steps per model")
+        parser.add_argument("--steps", type=int, default=12, help="uptraining steps per model")
         parser.add_argument("--batch", type=int, default=4, help="sequences per step")
         parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
         parser.add_argument("--lr", type=float, default=1e-4, help="AdamW peak learning rate")
@@ -127,21 +129,37 @@ class GQA(Reproduction):
         out["mha_max_nll_diff"] = float(np.max(np.abs(nll[f"MHA-{H}"] - nll[f"GQA-{K}"])))
         out["after"], out["curves"], out["roundtrip_exact"] = {}, {}, {}
         ckpt_root = Path(args.results).parent / "gqa-ckpt"
+        settings = {"model": args.model, "length": args.length, "chunk": args.chunk,
+                    "train": vars(tc)}
+        resumed_s = 0.0
         for meth in METHODS:
-            name = f"MQA-1 {meth}"
+            name, tag = f"MQA-1 {meth}", f"{'quick-' if args.quick else ''}mqa1-{meth}"
+            saved = ckpt_root / f"{tag}.json"  # one uptraining's results: a killed run resumes
+            if saved.is_file() and not args.force:
+                entry = json.loads(saved.read_text())
+                if entry["settings"] == json.loads(json.dumps(settings)):
+                    for k in ("after", "curves", "roundtrip_exact"):
+                        out[k][name] = entry[k]
+                    resumed_s += entry["after"]["seconds"]
+                    print(f"  {name:<14} uptrained: read back from {saved}")
+                    continue
             t = time.perf_counter()
             p, c = variants[name]
             trained, curve = train(p, c, ids, tc, echo=print)
-            path = save_params(ckpt_root / f"{'quick-' if args.quick else ''}mqa1-{meth}", trained)
+            path = save_params(ckpt_root / tag, trained)
             restored = restore_params(path, trained)
             out["roundtrip_exact"][name] = all(
                 np.array_equal(np.asarray(a), np.asarray(b))
                 for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(restored)))
+            del trained
             out["after"][name] = ev(restored, c)[1] | {"n_kv_heads": 1,
                                                         "seconds": time.perf_counter() - t}
+            del restored
             out["curves"][name] = curve
+            atomic_write_text(saved, json.dumps({"settings": settings} | {
+                k: out[k][name] for k in ("after", "curves", "roundtrip_exact")}))
             print(f"  {name:<14} uptrained: perplexity {out['after'][name]['perplexity']:.3f}")
-        out["seconds"] = time.perf_counter() - t0
+        out["seconds"] = time.perf_counter() - t0 + resumed_s
         return out
 
     def check(self, done, extra):
