@@ -225,8 +225,9 @@ class GQA(Reproduction):
             f"{before[gqa]['perplexity']:.4f}."),
             (f"* {names[0]} vs {gqa}: the largest per-token NLL "
             f"difference over the {args.length - 1} scored tokens is "
-            f"{extra['mha_max_nll_diff']:.1e} nats (equal up to float rounding: the attention "
-            "einsums group the heads differently; `tests/test_train.py` compares the logits)."),
+            f"{extra['mha_max_nll_diff']:.1e} nats (the attention einsums group the heads "
+            "differently, so equality is guaranteed only up to float rounding; "
+            "`tests/test_train.py` compares the logits)."),
         ])
         head = ("| model | kv heads | KV bytes / token (closed form 2·L·K·E·4) | KV bytes at "
                 f"{before[gqa]['n_tokens']} tokens | perplexity at conversion | after "
@@ -287,8 +288,8 @@ class GQA(Reproduction):
             f"pooled model recovers {100 * mean_rec:.0f} % of its NLL gap to {gqa} "
             f"({'most' if most else 'not most'} of it; the claim is about 5 % of pretraining "
             f"compute, {np.log10(0.05 / fraction):.0f} orders of magnitude more than this "
-            f"budget). {names[0]} has the {gqa} model's per-token NLL (to "
-            f"{extra['mha_max_nll_diff']:.0e} nats) at {kvr(names[0]):g}× its KV bytes; MQA-1 "
+            f"budget). {names[0]} has the {gqa} model's per-token NLL (max difference "
+            f"{extra['mha_max_nll_diff']:.1e} nats) at {kvr(names[0]):g}× its KV bytes; MQA-1 "
             f"holds {kvr('MQA-1 mean'):.3g}× {gqa}'s.",
         ])
         body = "\n\n".join([setting, "## Results\n\n" + "\n".join(rows),
