@@ -151,6 +151,37 @@ def test_wilson_endpoints_solve_the_score_equation(k, n):
         wilson(5, 4)
 
 
+def _gqa_extra(**change):
+    """A finished gqa run's measurements (the shape `check` asserts), with `change` applied."""
+    before = {"MHA-4": {"kv_bytes": 4096, "n_kv_heads": 4, "perplexity": 9.0},
+              "GQA-2": {"kv_bytes": 2048, "n_kv_heads": 2, "perplexity": 9.0},
+              **{f"MQA-1 {m}": {"kv_bytes": 1024, "n_kv_heads": 1, "perplexity": 20.0}
+                 for m in ("mean", "first", "random")}}
+    extra = {"before": before, "mha_max_nll_diff": 1e-7,
+             "curves": {f"MQA-1 {m}": {"loss": [4.0, 3.5, 3.0, 2.9, 2.8]}
+                        for m in ("mean", "first", "random")},
+             "roundtrip_exact": {f"MQA-1 {m}": True for m in ("mean", "first", "random")}}
+    extra.update(change)
+    return extra
+
+
+def test_gqa_check_fails_on_a_wrong_shape():
+    rep = get("gqa")
+    rep.check({}, _gqa_extra())
+    flat = {m: {"loss": [4.0, 4.0, 4.1, 4.0]} for m in ("MQA-1 mean", "MQA-1 first", "MQA-1 random")}
+    with pytest.raises(AssertionError, match="loss"):
+        rep.check({}, _gqa_extra(curves=flat))
+    with pytest.raises(AssertionError, match="NLL"):
+        rep.check({}, _gqa_extra(mha_max_nll_diff=0.3))
+    bytes_off = _gqa_extra()
+    bytes_off["before"]["MHA-4"]["kv_bytes"] = 3000
+    with pytest.raises(AssertionError, match="KV bytes"):
+        rep.check({}, bytes_off)
+    with pytest.raises(AssertionError, match="round trip"):
+        rep.check({}, _gqa_extra(roundtrip_exact={"MQA-1 mean": False, "MQA-1 first": True,
+                                                  "MQA-1 random": True}))
+
+
 def test_unknown_reproduction_names_the_choices():
     with pytest.raises(SystemExit, match="streamingllm"):
         main(["nosuchpaper"])

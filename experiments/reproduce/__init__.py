@@ -11,7 +11,8 @@ import importlib
 PAPERS = {"streamingllm": "experiments.reproduce.streamingllm",
           "h2o": "experiments.reproduce.h2o",
           "tova": "experiments.reproduce.tova",
-          "pyramid": "experiments.reproduce.pyramid"}
+          "pyramid": "experiments.reproduce.pyramid",
+          "gqa": "experiments.reproduce.gqa"}
 
 
 def get(name: str):
