@@ -373,8 +373,8 @@ class SnapKVRepro(Reproduction):
             word = "partly"
         else:
             word = "not reproduced"
-        text = (f"**{word.capitalize()}.** " + "; ".join(bits) + ". Criterion (fixed before "
-                "the run): reproduced when the paper's per-head SnapKV stays within 0.1 of the "
+        text = (f"**{word.capitalize()}.** " + "; ".join(bits) + ". Criterion: "
+                "reproduced when the paper's per-head SnapKV stays within 0.1 of the "
                 "full cache's accuracy at every compression from 2x to at least 8x and beats "
                 "both baselines wherever they ran; partly when per-head SnapKV stays within 0.1 "
                 "at 2x (and maybe more), or the head-averaged variant to 4x or more; not "
