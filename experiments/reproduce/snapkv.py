@@ -227,16 +227,21 @@ class SnapKVRepro(Reproduction):
             "selects `int(n (1 - ratio))` slots per kv head once, then the cache grows while "
             "the answer is decoded. Compression c means ratio 1 - 1/c. SnapKV keeps its "
             "observation window inside that budget, so at a budget equal to the window "
-            f"(32x of {args.length} tokens = 32 slots at window 32) it keeps only the window."),
+            f"({cx(args.length / 32)} of {args.length} tokens at window 32) it keeps only the "
+            "window; 32x is therefore not run at this length."),
             ("* Selection per *kv head* (the group's 3 query heads' attention summed), where the "
             "reference code selects per attention head after `repeat_kv`; head-averaged is "
             "kvjax's `per_head=false` (one set of positions per layer)."),
             ("* Baselines at equal ratio: the recent window (`window`, compress mode) and random "
-            "selection plus the same 32-token window (`random window=32`)."),
+             "selection plus the same 32-token window (`random window=32`), at "
+             + (", ".join(cx(c) for c in args.baselines_at) or "no compression (not run)")
+             + "."),
             ("* Question-not-visible: `query_aware=false` reads the prompt up to the end of the "
-            "context, selects, and feeds the question, the chat template's close and the "
-            "answer's start after the selection (kvpress's pipeline), so the observation "
-            "window sees only filler."),
+             "context, selects, and feeds the question, the chat template's close and the "
+             "answer's start after the selection (kvpress's pipeline), so the observation "
+             "window sees only filler"
+             + (f"; at {', '.join(cx(c) for c in args.qout)}." if args.qout else
+                ": not run here (`--qout`, default 2,8, runs it).")),
             (f"* Statistics: every cell is k/n correct with its 95 % Wilson interval; n = "
             f"{args.samples} per cell (needle: per depth).")]), ""]
         sections = ["\n".join(head)]
@@ -363,7 +368,7 @@ class SnapKVRepro(Reproduction):
         for v, name in (("snapkv", "per head (the paper's)"), ("heads-avg", "head-averaged")):
             if v in held:
                 bits.append(f"{name}: within 0.1 of the full cache up to "
-                            + (f"{held[v]}x" if held[v] else "no compression measured")
+                            + (cx(held[v]) if held[v] else "no compression measured")
                             + f", above window and random at {len(beats[v])} of "
                             f"{len(base)} compressions where they ran")
         ph, av = held.get("snapkv"), held.get("heads-avg")
