@@ -498,42 +498,48 @@ def digits_section(d: dict, accuracy: dict) -> str:
                     f"{tot['none']} of {tot['heads']} | {tot['layers_whole']} / "
                     f"{tot['layers_split']} of {tot['n_layers']} | "
                     + " ".join(f"{x:.2f}" for x in share) + " |")
-    answers = "; ".join(f"{s['key']} → {s['answer'].strip()!r}" for s in d["snapkv"])
+    def listed(v):
+        return "; ".join(f"{s['key']} → {s['answer'].strip()!r}" for s in d[v])
+
     ex = d["snapkv"][0]
-    show = [i for i, row in enumerate(ex["layers"]) if "·" in row]
+    show = [i for i, row in enumerate(ex["layers"]) if "·" in row and any(
+        ch.isdigit() for ch in row)]
     example = "\n".join(f"layer {i:2d}  {ex['layers'][i]}" for i in show[:12]) or "(none)"
     kinds, tot, share = sums["snapkv"]
-    most, least = int(np.argmax(share)) + 1, int(np.argmin(share)) + 1
-    avg = sums["heads-avg"][1]
-    better = ("per-head" if accuracy.get("snapkv", 0) > accuracy.get("heads-avg", 0) else
-              "head-averaged" if accuracy.get("heads-avg", 0) > accuracy.get("snapkv", 0)
-              else "neither")
+    akinds, avg, _ = sums["heads-avg"]
+    order = np.argsort(-share) + 1
+    acc_ph, acc_avg = accuracy.get("snapkv"), accuracy.get("heads-avg")
+    if acc_ph is None or acc_avg is None or acc_ph == acc_avg:
+        better = "the two retrieve equally often in the main run"
+    else:
+        better = (f"in the main run at {cx(c)} per-head selection retrieves "
+                  f"{acc_ph:.2f} of the keys and head-averaged {acc_avg:.2f}")
     text = (
         "SmolLM2's tokenizer writes every digit as its own token, so a 5-digit key is five "
         "neighbouring positions, and per-head SnapKV ranks positions separately in each of "
         f"the 3 kv heads of each of the 30 layers. Traced on the first {len(kinds)} keys at "
-        f"{cx(c)} (`digit_trace` in experiments/reproduce/snapkv.py): {tot['partial']} of "
-        f"{tot['heads']} (layer, kv head) pairs keep *part* of the key (neither occurrence "
-        f"whole) and only {tot['whole']} keep a whole copy; in {tot['layers_split']} of "
-        f"{tot['n_layers']} (layer, key) cases the layer's three heads hold every digit "
-        "between them while no single head holds the number. Digit "
-        f"{most} survives most often ({share[most - 1]:.2f} of the pairs), digit {least} least "
-        f"({share[least - 1]:.2f})"
-        + (": the heads keep different pieces, not one span. "
-           if share[most - 1] - share[least - 1] > 0.1 else ". ")
-        + f"{kinds.count('prefix')} of {len(kinds)} per-head answers are a proper prefix of the "
-        f"key (answers: {answers}): the model starts copying the number and stops where the "
-        "pieces it can attend to run out. Head-averaged selection makes the three heads of a "
-        f"layer keep the same positions (so no layer is split: {avg['layers_split']}), but it "
-        f"keeps a whole copy in {avg['layers_whole']} of {avg['n_layers']} layers against "
-        f"{tot['layers_whole']} per head; in the main run at this compression {better} "
-        "selection retrieves more keys (first column)"
-        + (", so here averaging the heads repairs part of the cut. " if better == "head-averaged"
-           else ", so on this model averaging the heads does not repair the cut. ")
-        + "Kernel 1 (no pooling) shows what pooling contributes: "
-        f"{sums['k1'][1]['whole']} whole pairs against {tot['whole']} with kernel 7. The kept "
-        "digits of the first key, per layer (| separates the 3 kv heads, · is a lost digit; "
-        "layers with a lost digit only):")
+        f"{cx(c)} (`digit_trace` in experiments/reproduce/snapkv.py), per-head selection keeps "
+        f"a whole copy of the key in only {tot['whole']} of {tot['heads']} (layer, kv head) "
+        f"pairs and *part* of it in {tot['partial']}: within a layer, one head may hold the "
+        "number while the other two hold pieces or nothing (the layer dump below). The digits "
+        "do not go at random: ranked by how often a pair keeps them, digits "
+        + ", ".join(f"{i} ({share[i - 1]:.2f})" for i in order)
+        + ". Head-averaged selection gives the three heads of a layer the same positions; it "
+        f"keeps a whole copy in {avg['layers_whole']} of {avg['n_layers']} (layer, key) cases, "
+        f"per-head selection in {tot['layers_whole']} (some head of the layer). Answers: per "
+        f"head {kinds.count('right')} right, {kinds.count('prefix')} a proper prefix of the "
+        f"key, {kinds.count('wrong')} other ({listed('snapkv')}); head-averaged "
+        f"{akinds.count('right')} right, {akinds.count('prefix')} prefix, "
+        f"{akinds.count('wrong')} other ({listed('heads-avg')}). A prefix answer is the model "
+        "starting the number and stopping where its attention finds no next digit. A reading "
+        "consistent with these counts: per-head selection lets the few heads whose observation window "
+        "attends to the whole number keep all of it, while averaging the scores over the heads "
+        "dilutes those heads' votes, so a layer keeps what most heads score highly and the "
+        f"number survives whole in fewer layers; {better}. Pooling is what keeps neighbouring "
+        f"digits together: with kernel 1, {sums['k1'][1]['whole']} pairs keep a whole copy "
+        f"against {tot['whole']} with kernel 7. The kept digits of the first key, per layer "
+        "(| separates the 3 kv heads, · is a lost digit; layers keeping some but not all "
+        "digits):")
     return "\n".join(rows) + "\n\n" + text + "\n\n```\n" + example + "\n```"
 
 
