@@ -296,8 +296,29 @@ class SnapKVRepro(Reproduction):
             c = extra["digits"]["compression"]
             accuracy = {v: cell(done[k])[0] / cell(done[k])[1] for v in TRACED
                         if (k := f"passkey/{cx(c)}/{v}") in done}
-            sections.append(digits_section(extra["digits"], accuracy))
+            needle = {v: cell(done[k])[0] / cell(done[k])[1] for v in SNAPKV
+                      if (k := f"needle/2x/{v}") in done}
+            text = digits_section(extra["digits"], accuracy)
+            if len(needle) == 2 and needle["snapkv"] != needle["heads-avg"]:
+                won = max(needle, key=needle.get)
+                text += ("\n\nThe needle grid (7 digits in prose, 2x) "
+                         + ("agrees: " if (won == "snapkv") == (accuracy.get("snapkv", 0) >
+                                                               accuracy.get("heads-avg", 0))
+                            else "goes the other way: ")
+                         + f"per head {needle['snapkv']:.2f}, head-averaged "
+                         f"{needle['heads-avg']:.2f}. Which selection keeps whole numbers "
+                         "depends on the prompt and the budget; on this model neither is better "
+                         "everywhere.")
+            sections.append(text)
         seconds = sorted(((d.run_s, k) for k, d in done.items()), reverse=True)[:3]
+        tasks = sorted({k.split("/")[0] for k in done})
+        sections.append(
+            f"Sweep size: {len(tasks)} tasks ({', '.join(tasks)}), each read once with the full "
+            "cache and once by a shared prefill for its selections; "
+            f"{len(done) - len(tasks)} selections in total (each compiles its own select and decode steps and decodes "
+            f"{Passkey.new_tokens} tokens for {args.samples} rows, the needle's for "
+            f"{args.samples * len(args.needle_depths)})." if args.needle_length else
+            f"Sweep size: {len(tasks)} tasks, {len(done) - len(tasks)} selections.")
         sections.append(
             f"Run seconds: {sum(d.run_s for d in done.values()):.0f} over {len(done)} points "
             "(points sharing a prefill split its time equally; each task's first point "
@@ -337,14 +358,14 @@ class SnapKVRepro(Reproduction):
             y = np.array([k / n for k, n in kn])
             ci = np.array([wilson(k, n) for k, n in kn])
             name = VARIANTS[v][0] + (", question after" if task == "passkey-qout" else "")
-            ax.errorbar(cs, y, yerr=[y - ci[:, 0], ci[:, 1] - y], ls=ls, marker="o",
-                        capsize=3, label=name)
+            ax.errorbar(cs, y, yerr=[y - ci[:, 0], ci[:, 1] - y], marker="o", capsize=3,
+                        ls=ls if v in SNAPKV else "none", label=name)  # baselines: points only
         ax.set_xscale("log", base=2)
         ax.set_xticks(args.compressions, [cx(c) for c in args.compressions])
         ax.set_xlabel("compression (prompt tokens / kept slots)")
         ax.set_ylabel("pass-key accuracy")
         ax.set_ylim(-0.05, 1.05)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         fig.tight_layout()
         return fig
 
