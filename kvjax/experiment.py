@@ -11,6 +11,7 @@ the record to the results store and logs it to W&B. No Hydra here: `run.py` buil
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -839,16 +840,24 @@ def shared_result(plan_: Plan, ctx: TaskContext, echo=print) -> tuple[TaskResult
     return _SHARED.pop(plan_.key)
 
 
+@contextlib.contextmanager
+def shared_sweep(plans: list[Plan]):
+    """Within it, `execute` runs the points of `plans` that can share a prefill as one group
+    (`shared_result`); every point still gets its own record."""
+    SWEEP_PLANS[:] = plans
+    try:
+        yield
+    finally:
+        SWEEP_PLANS.clear()
+        _SHARED.clear()
+
+
 def execute_shared(plans: list[Plan], run_dirs, echo=print) -> list[Outcome]:
     """Execute planned points as a sweep does: points that can share a prefill run as one
     group (`shared_result`), and every point still gets its own record, baseline and speed
     probe. Points already stored are skipped."""
-    SWEEP_PLANS[:] = plans
-    try:
+    with shared_sweep(plans):
         return [execute(p, d, echo) for p, d in zip(plans, run_dirs)]
-    finally:
-        SWEEP_PLANS.clear()
-        _SHARED.clear()
 
 
 def run(spec: RunSpec | Plan, run_dir: str | os.PathLike, echo=print) -> Outcome:

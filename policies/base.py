@@ -148,6 +148,12 @@ class Policy:
         """Compress mode, while the prompt is read: the running state and each slot's score."""
         return {**self.init_stats(B, K, C), SCORE: jnp.zeros((B, K, C), jnp.float32)}
 
+    def observes_as(self) -> Any:
+        """What `observe` records depends on this alone (hashable): policies that agree on it
+        record the same stats from a prompt, so a shared prefill (`Observers`) keeps one copy
+        for all of them. Default: the policy itself (only equal policies share)."""
+        return self
+
     def rope_positions(self, view: LayerView, pos_new):
         """Positions RoPE uses: (chunk [B, T], cached keys [B, K, C] or None).
 
@@ -228,7 +234,7 @@ class Grown(Policy):
 @dataclasses.dataclass(frozen=True)
 class Observers(Policy):
     """Score once, select many: reads a prompt for several compress-mode `policies` at once
-    (slot = position for all; each one's stats recorded side by side, stats[i]), so one
+    (slot = position for all; the stats of each distinct `observes_as` side by side), so one
     prefill serves every selection (`kvjax.generate.generate_many`). The policies must store
     keys the same way (rotated at absolute positions) and keep a per-head cache while they
     read (no layer groups)."""
@@ -245,12 +251,20 @@ class Observers(Policy):
                 raise ValueError(f"policy {p.name!r} cannot share a prefill: one compress-mode "
                                  "cache per head is needed (no layer groups, mode='compress')")
 
+    def readers(self) -> tuple[tuple[Policy, ...], tuple[int, ...]]:
+        """(one policy per distinct `observes_as`, which of them each policy's stats are):
+        policies that record alike share one copy of the stats (e.g. SnapKV's ring for every
+        kernel, pool and budget at one window)."""
+        keys = list(dict.fromkeys(p.observes_as() for p in self.policies))
+        first = tuple(next(p for p in self.policies if p.observes_as() == k) for k in keys)
+        return first, tuple(keys.index(p.observes_as()) for p in self.policies)
+
     def cache_stats(self, B, K, C):
-        return tuple(p.cache_stats(B, K, C) for p in self.policies)
+        return tuple(p.cache_stats(B, K, C) for p in self.readers()[0])
 
     def update(self, view, k_new, v_new, pos_new, probs):
         stats = []
-        for i, p in enumerate(self.policies):
+        for i, p in enumerate(self.readers()[0]):
             _, st = p.update(dataclasses.replace(view, stats=view.stats[i]), k_new, v_new,
                              pos_new, probs)
             stats.append(st)
@@ -258,7 +272,7 @@ class Observers(Policy):
 
     def part(self, cache, i: int):
         """The prefilled cache as policy i read it (ready for `compress`)."""
-        return cache.replace(policy=self.policies[i], stats=cache.stats[i])
+        return cache.replace(policy=self.policies[i], stats=cache.stats[self.readers()[1][i]])
 
 
 def broadcast_new(pos_new, K: int):

@@ -51,6 +51,11 @@ class SnapKV(Policy):
     def protected_desc(self) -> str:
         return f"window={self.window}"
 
+    def observes_as(self):
+        """The ring depends on the window alone (kernel, pool, per_head and budget act at
+        `select`), so a shared prefill keeps one ring per window."""
+        return (type(self), self.window)
+
     def observe_stats(self, B, K, C):
         return {"obs": jnp.zeros((B, K, C, self.window), jnp.float32)}
 

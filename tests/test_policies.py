@@ -26,7 +26,7 @@ from kvjax.formats import get_format
 from kvjax.generate import decode_step, generate, generate_many
 from kvjax.model import forward, init_params
 from kvjax.policies import POLICIES, get_policy
-from kvjax.policies.base import Evicting
+from kvjax.policies.base import Evicting, Observers
 
 FMT = get_format("f32")
 FAST = {"xla_backend_optimization_level": 0}  # these tests compile one program per policy
@@ -392,9 +392,13 @@ def test_generate_many_equals_one_generate_per_policy():
     exactly what its own generate gives (tokens and kept positions)."""
     policies = [get_policy("snapkv", budget=12, window=4),
                 get_policy("tova", budget=12, mode="compress"),
-                get_policy("h2o", budget=None, ratio=0.5, window=4, mode="compress")]
+                get_policy("h2o", budget=None, ratio=0.5, window=4, mode="compress"),
+                get_policy("snapkv", budget=10, window=4, kernel=1, pool="avg", per_head=False),
+                get_policy("snapkv", budget=12, window=6)]
     params1 = init_params(GEN_CFG, jax.random.PRNGKey(1))
     prompts = [list(range(1, 31)), list(range(5, 25))]
+    readers, which = Observers(policies=tuple(policies)).readers()
+    assert len(readers) == 4 and which[0] == which[3] != which[4]  # one ring per window
     many = generate_many(params1, GEN_CFG, prompts, 4, policies, FMT, max_len=MAX_LEN)
     for policy, (tokens, cache) in zip(policies, many):
         want, ref = generate(params1, GEN_CFG, prompts, 4, policy, FMT, max_len=MAX_LEN)

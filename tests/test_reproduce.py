@@ -229,3 +229,44 @@ def _no_speed():
     from kvjax.experiment import SpeedSpec
 
     return SpeedSpec(prompt=0)
+
+
+def test_wilson_matches_the_score_test_it_inverts():
+    """wilson(k, n) is the set of p whose score test |k/n - p| <= z sqrt(p (1 - p) / n) passes
+    (found here by bisection), and the textbook 0/20 bound 0.161."""
+    from experiments.reproduce.common import wilson
+
+    z = 1.959963984540054
+
+    def edge(k, n, lo, hi, inside_at_hi):
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            ok = abs(k / n - mid) <= z * np.sqrt(mid * (1 - mid) / n)
+            lo, hi = (lo, mid) if ok == inside_at_hi else (mid, hi)
+        return (lo + hi) / 2
+
+    for k, n in ((0, 20), (3, 20), (11, 20), (20, 20), (1, 5)):
+        lo, hi = wilson(k, n)
+        p = k / n
+        assert lo == pytest.approx(edge(k, n, 0.0, p, True) if k else 0.0, abs=1e-9)
+        assert hi == pytest.approx(edge(k, n, p, 1.0, False) if k < n else 1.0, abs=1e-9)
+    assert wilson(0, 20)[1] == pytest.approx(0.1611, abs=1e-4)
+    with pytest.raises(ValueError, match="k=3, n=2"):
+        wilson(3, 2)
+
+
+def _retrieval(k, n):
+    return Done("x", {"metrics": {"accuracy": k / n, "n_correct": k, "n_samples": n}})
+
+
+def test_snapkv_check_fails_on_a_wrong_shape():
+    """The check reads the mildest compression's per-head point and fails when SnapKV loses
+    keys the full cache finds, or when the full cache itself fails (nothing to compare)."""
+    rep = get("snapkv")
+    good = {"passkey/full": _retrieval(5, 5), "passkey/1.33333x/snapkv": _retrieval(5, 5),
+            "passkey/8x/snapkv": _retrieval(0, 5), "passkey/1.33333x/window": _retrieval(0, 5)}
+    rep.check(good, {})
+    with pytest.raises(AssertionError, match=r"SnapKV at 1.33333x: 3/5 vs full 5/5"):
+        rep.check({**good, "passkey/1.33333x/snapkv": _retrieval(3, 5)}, {})
+    with pytest.raises(AssertionError, match="full cache finds only"):
+        rep.check({**good, "passkey/full": _retrieval(1, 5)}, {})

@@ -241,3 +241,34 @@ def test_prefill_reads_the_whole_prompt_by_default(tiny):
     assert cache.capacity == 48
     np.testing.assert_allclose(whole, full, atol=1e-5)
     assert np.abs(np.asarray(chunked) - np.asarray(full)).max() > 1e-3
+
+def test_query_aware_false_feeds_the_question_after_the_selection(tiny):
+    """query_aware=false (compress mode): SnapKV selects from the prompt up to the context's
+    end, so the observation window cannot see the question; the question, the template's close
+    and the answer's start are all kept (fed after). The full cache answers alike either way,
+    and the option is part of the point's key."""
+    from kvjax.experiment import RunSpec, SpeedSpec, plan
+    from kvjax.tasks.passkey import ANSWER, QUESTION
+    from kvjax.tasks.retrieval import question_tail
+
+    n_tail = len(question_tail(tiny.tokenizer, QUESTION, ANSWER))
+    ctx = ctx_for(tiny, "snapkv", max_len=420, budget=48, window=16)
+    held = {}
+    for aware in (True, False):
+        task = get_task("passkey", length=400, n_samples=2, new_tokens=8, query_aware=aware)
+        pos = np.asarray(task.run(ctx).cache.pos)  # [L, B, K, C]
+        prompt = np.where((pos >= 0) & (pos < 400), pos, -1)
+        tail = ((pos >= 400 - n_tail) & (pos < 400)).sum(-1)
+        held[aware] = ((prompt >= 0).sum(-1), tail)
+    assert (held[True][0] == 48).all()  # the selection spans the whole prompt
+    assert (held[False][0] == 48 + n_tail).all()  # the selection, then the fed question
+    assert (held[False][1] == n_tail).all() and n_tail > 16  # the window missed the question
+    full = ctx_for(tiny, max_len=420)
+    rows = [get_task("passkey", length=400, n_samples=2, new_tokens=8,
+                     query_aware=a).run(full).rows for a in (True, False)]
+    assert [r["answer"] for r in rows[0]] == [r["answer"] for r in rows[1]]
+    keys = {plan(RunSpec(task=get_task("passkey", length=400, query_aware=a), model=TINY,
+                         speed=SpeedSpec(prompt=0))).key for a in (True, False)}
+    assert len(keys) == 2
+    with pytest.raises(ValueError, match="query_aware='no'"):
+        get_task("passkey", query_aware="no").validate()

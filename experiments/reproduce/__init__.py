@@ -12,7 +12,8 @@ PAPERS = {"streamingllm": "experiments.reproduce.streamingllm",
           "h2o": "experiments.reproduce.h2o",
           "tova": "experiments.reproduce.tova",
           "pyramid": "experiments.reproduce.pyramid",
-          "gqa": "experiments.reproduce.gqa"}
+          "gqa": "experiments.reproduce.gqa",
+          "snapkv": "experiments.reproduce.snapkv"}
 
 
 def get(name: str):

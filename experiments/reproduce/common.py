@@ -23,8 +23,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from kvjax import experiment
-from kvjax.experiment import RunSpec, WandbSpec, execute, plan
+from kvjax.experiment import RunSpec, WandbSpec, execute, plan, shared_sweep
 from kvjax.results import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,13 +94,11 @@ def _no_speed():
 
 def run_points(points: list[tuple[str, RunSpec]], echo=print) -> dict[str, Done]:
     """Plan every point first (bad settings fail before any model work), then execute them in
-    order; a point already in the store is read back, not rerun. Compress-mode points of one
-    task that can share a prefill run as one group, as a Hydra sweep does
-    (`kvjax.experiment.SWEEP_PLANS`: score once, select many)."""
+    order; a point already in the store is read back, not rerun. Compress-mode points on one
+    prompt task share its prefill (`kvjax.experiment.shared_sweep`: score once, select many)."""
     plans = [(label, plan(s)) for label, s in points]
     done = {}
-    experiment.SWEEP_PLANS[:] = [p for _, p in plans]
-    try:
+    with shared_sweep([p for _, p in plans]):
         for label, p in plans:
             t = time.perf_counter()
             out = execute(p, Path(p.spec.results).parent / "runs" / p.key, echo=lambda m: None)
@@ -111,20 +108,17 @@ def run_points(points: list[tuple[str, RunSpec]], echo=print) -> dict[str, Done]
             m = record["metrics"]
             echo(f"  {label:<28} {m['metric']} {m['value']:.3f}  ({seconds:.0f} s"
                  f"{'' if out.record is not None else ', from the store'})")
-    finally:
-        experiment.SWEEP_PLANS.clear()
-        experiment._SHARED.clear()
     return done
 
 
-def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95 % Wilson score interval (lo, hi) of a proportion k / n (Wilson 1927): unlike the
-    normal approximation it stays inside [0, 1] and is not empty at k = 0 or k = n."""
+def wilson(k: int, n: int) -> tuple[float, float]:
+    """The 95 % Wilson score interval (lo, hi) of a proportion: k successes of n trials."""
     if n <= 0 or not 0 <= k <= n:
         raise ValueError(f"wilson: need 0 <= k <= n and n > 0, got k={k}, n={n}")
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    z = 1.959963984540054  # the normal's 97.5 % quantile
+    p, z2 = k / n, z * z / n
+    centre = (p + z2 / 2) / (1 + z2)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n)) / (1 + z2)
     return max(0.0, centre - half), min(1.0, centre + half)
 
 

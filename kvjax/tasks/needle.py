@@ -21,7 +21,6 @@ from kvjax.tasks.base import (
     check_depths,
     check_positive,
     contains_answer,
-    greedy_generate,
     register,
 )
 from kvjax.tasks.retrieval import RetrievalTask, planted_prompt, random_key
@@ -65,6 +64,8 @@ class Needle(RetrievalTask):
     """Retrieval accuracy per (depth, length) cell; the metric is the grid's mean."""
 
     name = "needle"
+    question = QUESTION
+    answer = ANSWER
     lengths: tuple[int, ...] = (256, 512, 1024)
     depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     n_samples: int = 1
@@ -88,6 +89,7 @@ class Needle(RetrievalTask):
         for n in self.lengths:
             check_positive(self, length=n)
         check_depths(self, self.depths)
+        self.check_query_aware()
         self.check_new_tokens("number")
 
     def cells(self) -> list[tuple[int, float, int]]:
@@ -116,7 +118,7 @@ class Needle(RetrievalTask):
         for j, length in enumerate(bar(self.lengths, ctx, f"needle ({ctx.policy.name})")):
             cells = self.cells()
             keys, prompts = self.cell_prompts(ctx.tokenizer, haystack, ctx.seed, j)
-            outs = greedy_generate(ctx, prompts, self.new_tokens, self.chunk, policies)
+            outs = self.generate(ctx, prompts, policies)
             for p, (out, caches[p]) in enumerate(outs):
                 for (i, d, s), k, toks in zip(cells, keys, out):
                     answer = ctx.tokenizer.decode(toks, skip_special_tokens=True)

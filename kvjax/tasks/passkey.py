@@ -20,7 +20,6 @@ from kvjax.tasks.base import (
     check_depths,
     check_positive,
     contains_answer,
-    greedy_generate,
     register,
 )
 from kvjax.tasks.retrieval import RetrievalTask, planted_prompt, random_key
@@ -56,6 +55,8 @@ class Passkey(RetrievalTask):
     """Accuracy of retrieving a `digits`-digit pass key over `n_samples` seeded prompts."""
 
     name = "passkey"
+    question = QUESTION
+    answer = ANSWER
     length: int = 1024
     depth: float = 0.5
     n_samples: int = 5
@@ -74,6 +75,7 @@ class Passkey(RetrievalTask):
                        new_tokens=self.new_tokens)
         check_chunk(self, self.chunk)
         check_depths(self, [self.depth])
+        self.check_query_aware()
         self.check_new_tokens("key")
 
     def keys(self, seed: int) -> list[int]:
@@ -92,7 +94,7 @@ class Passkey(RetrievalTask):
         keys = self.keys(ctx.seed)
         prompts = self.prompts(ctx.tokenizer, keys)
         return [self.score(ctx, keys, out, cache) for out, cache in
-                greedy_generate(ctx, prompts, self.new_tokens, self.chunk, policies)]
+                self.generate(ctx, prompts, policies)]
 
     def score(self, ctx: TaskContext, keys, out, cache) -> TaskResult:
         rows = []

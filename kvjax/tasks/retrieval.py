@@ -1,14 +1,23 @@
 """What the retrieval tasks (`passkey`, `needle`) share: a number planted in a long chat prompt
-of an exact token count, asked back, and answered in a few greedy tokens."""
+of an exact token count, asked back, and answered in a few greedy tokens.
+
+`query_aware` (default true) places the question inside the prompt, so a compress-mode policy
+selects with the question in view (SnapKV's protocol: the observation window ends on it).
+`query_aware=false` is kvpress's pipeline (the `qa` task's default): the prompt up to the end
+of the context is read and selected first, and the question, the chat template's close and
+the answer's start are fed after the selection, so no selection sees them. The prompt's ids are
+the same either way; evict-mode policies read them in one piece.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 
-from kvjax.tasks.base import Task, chat_frame
+from kvjax.tasks.base import Task, chat_frame, greedy_generate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +28,25 @@ class RetrievalTask(Task):
     metric = "accuracy"
     higher_is_better = True
     has_prompt = True
+    question: ClassVar[str] = ""  # the question and the answer's start that end each prompt
+    answer: ClassVar[str] = ""
+    query_aware: bool = True  # false: the question is fed after a compress-mode selection
+
+    def check_query_aware(self) -> None:
+        if type(self.query_aware) is not bool:  # ValueError: plan reports it before loading
+            raise ValueError(f"task {self.name!r}: query_aware={self.query_aware!r} must be true "
+                             "(the question inside the prompt) or false (fed after the selection)")
+
+    def generate(self, ctx, prompts, policies):
+        """Greedy answers [(tokens, cache)] per policy, the question where `query_aware` puts
+        it: in the prompt, or (compress mode, query_aware=false) fed after the selection."""
+        if self.query_aware or policies[0].mode != "compress":
+            return greedy_generate(ctx, prompts, self.new_tokens, self.chunk, policies)
+        if any(p.mode != "compress" for p in policies):
+            raise ValueError(f"task {self.name!r}: run_many needs policies of one mode")
+        n = len(question_tail(ctx.tokenizer, self.question, self.answer))
+        return greedy_generate(ctx, [p[:-n] for p in prompts], self.new_tokens, self.chunk,
+                               policies, suffixes=[p[-n:] for p in prompts])
 
     def check_new_tokens(self, noun: str) -> None:
         """`new_tokens` must leave room for the whole number (digits are single tokens)."""
@@ -41,10 +69,15 @@ def planted_prompt(tokenizer, length: int, plant: str, question: str, answer: st
 
     fill(n_body, n_fixed) -> (body ids [n_body], index to plant at) sizes the body to the ids
     the fixed parts leave (n_fixed of them), raising if that cannot make a prompt."""
-    before, after = chat_frame(tokenizer)
-    head = before + (tokenizer.encode(intro) if intro else [])
+    head = chat_frame(tokenizer)[0] + (tokenizer.encode(intro) if intro else [])
     planted = tokenizer.encode(plant)
-    tail = tokenizer.encode(question) + after + tokenizer.encode(answer)
+    tail = question_tail(tokenizer, question, answer)
     fixed = len(head) + len(planted) + len(tail)
     body, at = fill(length - fixed, fixed)
     return head + body[:at] + planted + body[at:] + tail
+
+
+def question_tail(tokenizer, question: str, answer: str) -> list[int]:
+    """The ids that end a retrieval prompt: the question, the chat template's close of the
+    user turn and the assistant's answer start."""
+    return tokenizer.encode(question) + chat_frame(tokenizer)[1] + tokenizer.encode(answer)
