@@ -128,3 +128,26 @@ def _no_speed():
     from kvjax.experiment import SpeedSpec
 
     return SpeedSpec(prompt=0)
+
+
+def _ppl(label, perplexity):
+    return Done(label, {"metrics": {"perplexity": perplexity}})
+
+
+def test_kivi_check_fails_when_channel_keys_do_not_beat_token_keys():
+    rep = get("kivi")
+    good = {"ppl/int2/R32": _ppl("c", 20.0), "ppl/int2/token": _ppl("t", 140.0)}
+    rep.check(good, {})
+    with pytest.raises(AssertionError, match="per-token keys"):
+        rep.check({**good, "ppl/int2/token": _ppl("t", 25.0)}, {})
+
+
+def test_wilson_interval():
+    from experiments.reproduce.common import wilson
+
+    lo, hi = wilson(20, 20)
+    assert hi == 1.0 and 0.83 < lo < 0.84  # textbook: 20/20 -> [0.839, 1]
+    lo, hi = wilson(10, 20)
+    assert lo == pytest.approx(0.299, abs=1e-3) and hi == pytest.approx(0.701, abs=1e-3)
+    with pytest.raises(ValueError, match="n=0"):
+        wilson(0, 0)

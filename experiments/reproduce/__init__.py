@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 
 PAPERS = {"streamingllm": "experiments.reproduce.streamingllm",
-          "h2o": "experiments.reproduce.h2o"}
+          "h2o": "experiments.reproduce.h2o",
+          "kivi": "experiments.reproduce.kivi"}
 
 
 def get(name: str):

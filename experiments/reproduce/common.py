@@ -91,6 +91,24 @@ def _no_speed():
     return SpeedSpec(prompt=0)
 
 
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of k successes in n trials (retrieval accuracies)."""
+    if n <= 0:
+        raise ValueError(f"wilson: n={n} must be positive")
+    p = k / n
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / (1 + z * z / n)
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def kv_bytes_per_token(d: Done) -> float:
+    """Measured bytes per cached token of the point's k + v stores (codes, scales and zero
+    points, full-precision residual and fallback rows included; positions excluded): the
+    record's kv_bytes over the cache capacity."""
+    c = d.record["cache"]
+    return c["kv_bytes"] / c["capacity"]
+
+
 def run_points(points: list[tuple[str, RunSpec]], echo=print) -> dict[str, Done]:
     """Plan every point first (bad settings fail before any model work), then execute them in
     order; a point already in the store is read back, not rerun."""
