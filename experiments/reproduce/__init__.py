@@ -10,7 +10,8 @@ import importlib
 
 PAPERS = {"streamingllm": "experiments.reproduce.streamingllm",
           "h2o": "experiments.reproduce.h2o",
-          "kivi": "experiments.reproduce.kivi"}
+          "kivi": "experiments.reproduce.kivi",
+          "critical_heads": "experiments.reproduce.critical_heads"}
 
 
 def get(name: str):
