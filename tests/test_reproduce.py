@@ -151,3 +151,22 @@ def test_wilson_interval():
     assert lo == pytest.approx(0.299, abs=1e-3) and hi == pytest.approx(0.701, abs=1e-3)
     with pytest.raises(ValueError, match="n=0"):
         wilson(0, 0)
+
+
+def _ppl_bytes(label, perplexity, kv_bytes):
+    return Done(label, {"metrics": {"perplexity": perplexity},
+                        "cache": {"kv_bytes": kv_bytes, "capacity": 64}})
+
+
+def test_critical_heads_check_fails_on_a_wrong_shape():
+    rep = get("critical_heads")
+    every = "int2/random0/90"
+    good = {"f32": _ppl_bytes("f", 50.0, 1000), "int2/0": _ppl_bytes("0", 57.0, 250),
+            every: _ppl_bytes("a", 50.2, 500)}
+    rep.check(good, {})
+    with pytest.raises(AssertionError, match="does not lose"):
+        rep.check({**good, "int2/0": _ppl_bytes("0", 51.0, 250)}, {})
+    with pytest.raises(AssertionError, match="cost no bytes"):
+        rep.check({**good, every: _ppl_bytes("a", 50.2, 250)}, {})
+    with pytest.raises(AssertionError, match="every unit kept"):
+        rep.check({**good, every: _ppl_bytes("a", 53.0, 500)}, {})
