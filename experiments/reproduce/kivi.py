@@ -72,7 +72,9 @@ class KIVIRepro(Reproduction):
         parser.add_argument("--passkey-length", type=int, default=512, help="0: no passkey")
         parser.add_argument("--passkey-samples", type=int, default=20)
         parser.add_argument("--passkey-variants", type=_names, default=("kivi", "token"),
-                            help="passkey variants (each at every --bits)")
+                            help="passkey variants (each at every --passkey-bits)")
+        parser.add_argument("--passkey-bits", type=_names, default=("int2",),
+                            help="passkey formats among int2,int4")
 
     def quick_defaults(self):
         return {"length": 64, "bits": ("int2",), "variants": ("R32", "token"),
@@ -80,7 +82,7 @@ class KIVIRepro(Reproduction):
 
     def points(self, args):
         bad = [v for v in (*args.variants, *args.passkey_variants) if v not in VARIANTS]
-        bad += [b for b in args.bits if b not in ("int2", "int4")]
+        bad += [b for b in (*args.bits, *args.passkey_bits) if b not in ("int2", "int4")]
         if bad:
             raise SystemExit(f"kivi: {bad} not among variants {','.join(VARIANTS)} / bits "
                              "int2,int4")
@@ -96,7 +98,7 @@ class KIVIRepro(Reproduction):
             kw["max_len"] = _round_up(pk.seq_len(), 64)
             pts.append(("pk/f32", spec(pk, **kw)))
             pts += [(f"pk/{b}/{v}", spec(pk, kv_dtype=b, kv_options=options(v), **kw))
-                    for b in args.bits for v in args.passkey_variants]
+                    for b in args.passkey_bits for v in args.passkey_variants]
         return pts
 
     def check(self, done, extra):
@@ -172,7 +174,7 @@ class KIVIRepro(Reproduction):
             pk = ["## Passkey retrieval", "",
                   "| format | keys | accuracy | 95 % CI | bytes / token | run s |",
                   "|---|---|---|---|---|---|"]
-            for lab in ["pk/f32"] + [f"pk/{b}/{v}" for b in args.bits
+            for lab in ["pk/f32"] + [f"pk/{b}/{v}" for b in args.passkey_bits
                                      for v in args.passkey_variants]:
                 d = done[lab]
                 m = d.metrics
