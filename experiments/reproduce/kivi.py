@@ -138,8 +138,9 @@ class KIVIRepro(Reproduction):
              "residual: at least one open group, R ≥ g) or coded per token. R = 0 would mean "
              "every key is per-token coded on arrival, which is the per-token-keys row. KIVI's "
              "code has the same constraint (`residual_length % group_size == 0`, keys are "
-             "quantized only once R of them gathered). The smallest residual is therefore "
-             "R = g = 32 (row R32)."),
+             "quantized only once R of them gathered). The format refuses it (`int2 residual=0`: "
+             "\"residual=0 must be a positive multiple of group=32 (the residual holds whole "
+             "open groups)\"); the smallest residual is R = g = 32 (row R32)."),
             ("* Groups: the head dim is 64. Per-token groups run along it (values, per-token "
              "keys, and the per-token fallback rows of per-channel keys), so they must divide "
              "64: 32 and 64 are possible, 128 is not (`int2 group=128` is refused: \"group=128 "
