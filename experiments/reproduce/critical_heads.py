@@ -52,17 +52,17 @@ class CriticalHeads(Reproduction):
         parser.add_argument("--chunk", type=int, default=4,
                             help="tokens per forward (1: token by token)")
         parser.add_argument("--main", default="int2", help="base compared across criteria")
-        parser.add_argument("--counts", type=_ints, default=(2, 4, 8, 16),
+        parser.add_argument("--counts", type=_ints, default=(1, 2, 4, 8, 16),
                             help="kept units chosen by kl at the main base")
-        parser.add_argument("--kv-error-counts", type=_ints, default=(8,),
+        parser.add_argument("--kv-error-counts", type=_ints, default=(4, 8, 16),
                             help="kept units chosen by kv_error at the main base")
-        parser.add_argument("--random-counts", type=_ints, default=(8,),
+        parser.add_argument("--random-counts", type=_ints, default=(4, 8, 16),
                             help="kept units drawn at random at the main base")
         parser.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="random draws")
         parser.add_argument("--others", type=_names, default=("int4", "int8"),
                             help="other bases: units ranked by the main base's kl, kept at "
                                  "--other-counts")
-        parser.add_argument("--other-counts", type=_ints, default=(16,))
+        parser.add_argument("--other-counts", type=_ints, default=(4, 16))
         parser.add_argument("--calib-prefix", type=int, default=256,
                             help="calibration tokens written into the cache")
         parser.add_argument("--calib-tokens", type=int, default=64,
