@@ -276,10 +276,11 @@ class CriticalHeads(Reproduction):
                 rnd.setdefault(int(k.split("/")[2]), []).append(d.metrics["perplexity"])
         cmp = []
         for n, ps in sorted(rnd.items()):
-            kl = done.get(f"{base}/kl/{n}")
-            if kl is not None:
-                cmp.append(f"at {n} kept, kl {kl.metrics['perplexity']:.3f} against random "
-                           f"{np.mean(ps):.3f} (mean of {len(ps)})")
+            got = [f"{tag} {done[f'{base}/{tag}/{n}'].metrics['perplexity']:.3f}"
+                   for tag in ("kl", "kv_error") if f"{base}/{tag}/{n}" in done]
+            if got:
+                cmp.append(f"at {n} kept, {', '.join(got)} against random {np.mean(ps):.3f} "
+                           f"(mean of {len(ps)}, range {min(ps):.3f}–{max(ps):.3f})")
         holds = best is not None and best[2] >= 0.5
         head = f"{base} (loss {100 * loss:.1f} %): "
         if best is None:
