@@ -225,8 +225,9 @@ class KIVIRepro(Reproduction):
                 f"int2 KIVI is {100 * (ppl['kivi'] / f32 - 1):+.1f} % from f32 (criterion: "
                 "within 10 %)" + (f", passkey {acc['int2/kivi']:.2f} against {acc['f32']:.2f} "
                                   "(criterion: within 0.1)" if "int2/kivi" in acc else "")
-                + ". They are what makes 2 bits *usable at all* here, but not lossless on a "
-                "135M GQA model (the KIVI repository itself recommends KIVI-4 for GQA models).")
+                + ("." if works else ". Per-channel keys are far better than per-token keys at "
+                   "2 bits, but 2 bits do not hold the full-precision quality on this 135M GQA "
+                   "model (the KIVI repository itself recommends KIVI-4 for GQA models)."))
         if {"kivi", "R32"} <= ppl.keys():
             matters = ppl["kivi"] < 0.98 * ppl["R32"]
             r = ", ".join(f"R{v[1:]} {ppl[v]:.2f}" for v in ("R32", "R64") if v in ppl)
