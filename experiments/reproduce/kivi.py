@@ -236,6 +236,12 @@ class KIVIRepro(Reproduction):
                          f"** — int2 {r}, R128 {ppl['kivi']:.2f} (criterion: R128 at least 2 % "
                          f"better than R32; at {args.length} tokens R = 128 is "
                          f"{100 * 128 / args.length:.0f} % of the context).")
+        p4 = {k.removeprefix("ppl/int4/"): d.metrics["perplexity"]
+              for k, d in done.items() if k.startswith("ppl/int4/")}
+        if {"kivi", "token"} <= p4.keys():
+            parts.append(f"At 4 bits both layouts work: per-channel keys "
+                         f"{100 * (p4['kivi'] / f32 - 1):+.2f} %, per-token keys "
+                         f"{100 * (p4['token'] / f32 - 1):+.2f} % against f32.")
         word = ("reproduced" if results and all(results) else
                 "partly" if any(results) else "not reproduced")
         ours = (f"int2 ppl: per-channel {ppl.get('kivi', float('nan')):.1f}, per-token "
