@@ -239,7 +239,7 @@ class KIVIRepro(Reproduction):
         p4 = {k.removeprefix("ppl/int4/"): d.metrics["perplexity"]
               for k, d in done.items() if k.startswith("ppl/int4/")}
         if {"kivi", "token"} <= p4.keys():
-            parts.append(f"At 4 bits both layouts work: per-channel keys "
+            parts.append(f"At 4 bits: per-channel keys "
                          f"{100 * (p4['kivi'] / f32 - 1):+.2f} %, per-token keys "
                          f"{100 * (p4['token'] / f32 - 1):+.2f} % against f32.")
         word = ("reproduced" if results and all(results) else
