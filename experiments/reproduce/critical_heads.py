@@ -62,7 +62,7 @@ class CriticalHeads(Reproduction):
         parser.add_argument("--others", type=_names, default=("int4", "int8"),
                             help="other bases: units ranked by the main base's kl, kept at "
                                  "--other-counts")
-        parser.add_argument("--other-counts", type=_ints, default=(4, 16))
+        parser.add_argument("--other-counts", type=_ints, default=(16,))
         parser.add_argument("--calib-prefix", type=int, default=256,
                             help="calibration tokens written into the cache")
         parser.add_argument("--calib-tokens", type=int, default=64,
