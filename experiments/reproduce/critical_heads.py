@@ -208,6 +208,9 @@ class CriticalHeads(Reproduction):
              f"kept. The scores are computed at {args.main} and rank the units for every base "
              "(a kl pass per base costs 15 min on this loaded machine: 90 forwards of the "
              f"continuation). Computing them took {extra.get('seconds', 0):.0f} s."),
+            (f"* Size: {len(done)} points (f32, each base with nothing kept, the counts "
+             "above per criterion; not the full product), sized for about 12 min on an idle "
+             "2-core machine; the run below shared the 2 cores with four other jobs."),
             ("* Bytes per token: measured from each record's k + v stores (codes, scales, "
              "residual, kept bf16 units) over the capacity; bf16 everywhere is 23040, f32 "
              "46080."),
