@@ -229,8 +229,8 @@ class CriticalHeads(Reproduction):
                     continue
                 _, tag, n = k.split("/")
                 p, b = d.metrics["perplexity"], kv_bytes_per_token(d)
-                rec = (p0 - p) / (p0 - f32) if p0 > f32 else float("nan")
-                rows.append(f"| {base} | {tag} | {n} | {p:.3f} | {100 * rec:.0f} % | {b:.0f} | "
+                rec = f"{100 * (p0 - p) / (p0 - f32):.0f} %" if p0 > f32 else "— (no loss)"
+                rows.append(f"| {base} | {tag} | {n} | {p:.3f} | {rec} | {b:.0f} | "
                             f"{100 * (b / b0 - 1):+.0f} % |")
             verdicts.append(self.base_verdict(args, done, base, f32))
         rows += ["", ("Loss recovered = (perplexity with none kept − with n kept) / (with none "
@@ -265,8 +265,9 @@ class CriticalHeads(Reproduction):
         b0 = kv_bytes_per_token(done[f"{base}/0"])
         loss = p0 / f32 - 1
         if loss < 0.005:
-            return (None, (f"{base}: the whole loss is {100 * loss:.2f} % (below 0.5 %), nothing "
-                          "to recover."), f"{base} loss {100 * loss:.2f} %")
+            return (None, (f"{base}: its perplexity is {100 * loss:+.2f} % from f32 (no loss "
+                           "above 0.5 % to recover in this protocol)."),
+                    f"{base} {100 * loss:+.2f} % from f32")
         best = None
         for tag in ("kl", "kv_error"):
             for n, b, p in self.curve(done, base, tag)[1:]:
@@ -292,8 +293,20 @@ class CriticalHeads(Reproduction):
             sent = (head + f"best {best[0]} with {best[1]} kept recovers {100 * best[2]:.0f} % "
                     f"of the loss for {100 * best[3]:+.0f} % bytes"
                     + (" — holds." if holds else " — does not reach half."))
+        top = self.curve(done, base, "kl")[-1]
+        if top[0] and (best is None or top[0] != best[1]):
+            sent += (f" With {top[0]} kept ({100 * top[0] / UNITS:.0f} % of the units) kl "
+                     f"recovers {100 * (p0 - top[2]) / (p0 - f32):.0f} % for "
+                     f"{100 * (top[1] / b0 - 1):+.0f} % bytes.")
         if cmp:
             sent += " Against random: " + "; ".join(cmp) + "."
+            for tag in ("kl", "kv_error"):
+                wins = [n for n, ps in rnd.items() if f"{base}/{tag}/{n}" in done
+                        and done[f"{base}/{tag}/{n}"].metrics["perplexity"] < min(ps)]
+                tried = [n for n in rnd if f"{base}/{tag}/{n}" in done]
+                if tried:
+                    sent += (f" {tag} beats every random draw at {len(wins)} of {len(tried)} "
+                             "counts.")
         summary = (f"{base}: {best[0]} {best[1]} kept recovers {100 * best[2]:.0f} % for "
                    f"{100 * best[3]:+.0f} % bytes" if best else f"{base}: —")
         return holds, sent, summary
