@@ -198,7 +198,7 @@ def test_all_units_kept_in_f32_give_the_f32_cache_logits():
     def logits(fmt):
         cache = init_cache(cfg, 1, get_policy("full"), fmt, 64)
         out = []
-        for lo, hi in ((0, 32), (32, 33), (33, 34), (34, 40)):
+        for lo, hi in ((0, 32), (32, 33), (33, 40)):
             lg, cache = forward_jit(params, tokens[:, lo:hi], cache, cfg)
             out.append(lg)
         return np.asarray(jnp.concatenate(out, axis=1))

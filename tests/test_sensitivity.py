@@ -51,7 +51,7 @@ def test_kl_of_a_unit_is_the_model_with_only_that_unit_quantized(setup):
         return np.asarray(jax.nn.log_softmax(logits[0]))  # [S, V]
 
     ref = logp(get_format("f32"))
-    for u in ((0, 1), (1, 0)):  # one unit per layer (each reference compiles its own format)
+    for u in ((1, 0),):  # each reference compiles its own format: one unit (the last batch's)
         fmt = get_format("int2", **INT2, keep_units=[w for w in units if w != u],
                          keep_dtype="f32")
         want = np.mean(np.sum(np.exp(ref) * (ref - logp(fmt)), axis=-1))
