@@ -342,9 +342,11 @@ class HeadPool(KVCache):
     def check_format(fmt, policy, K: int, E: int, max_len: int) -> None:
         """Raise before any work if `fmt` cannot store this policy's pool of K · budget slots
         (kv_keep by head; a slot group that does not divide K · budget), naming valid budgets."""
-        if getattr(fmt, "keep_heads", ()):
+        by_head = [f"{k}={getattr(fmt, k)}" for k in ("keep_heads", "keep_units")
+                   if getattr(fmt, k, ())]
+        if by_head:
             raise ValueError(
-                f"kv_keep keep_heads={fmt.keep_heads} cannot apply to policy {policy.name!r}: its "
+                f"kv_keep {by_head[0]} cannot apply to policy {policy.name!r}: its "
                 "kv heads share one slot pool per layer (slots move between heads); use "
                 "keep_layers, or a per-head policy"
             )

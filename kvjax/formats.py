@@ -835,7 +835,7 @@ class Int2(_IntFormat):
 
 
 KEEP_DTYPES = ("f32", "bf16")
-KEEP_OPTIONS = ("keep_layers", "keep_heads", "keep_dtype")
+KEEP_OPTIONS = ("keep_layers", "keep_heads", "keep_units", "keep_dtype")
 
 
 def _index_tuple(what: str, value) -> tuple[int, ...]:
@@ -1010,11 +1010,141 @@ class Mixed(KVFormat):
             return out
 
 
+def _unit_tuple(value) -> tuple[tuple[int, int], ...]:
+    """keep_units as a sorted tuple of distinct (layer, kv head) pairs of non-negative ints."""
+    try:
+        items = tuple(tuple(u) for u in value)
+    except TypeError:
+        raise ValueError(f"kv_keep: keep_units={value!r} must be (layer, kv head) pairs, "
+                         "e.g. ((0, 1), (5, 2))") from None
+    bad = [u for u in items if len(u) != 2 or any(
+        isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0 for i in u)]
+    if bad:
+        raise ValueError(f"kv_keep: keep_units holds {bad}, which are not (layer, kv head) "
+                         "pairs of non-negative integers")
+    units = tuple(sorted((int(a), int(b)) for a, b in items))
+    if len(set(units)) != len(units):
+        raise ValueError(f"kv_keep: keep_units={units!r} repeats a unit")
+    return units
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedUnits(KVFormat):
+    """Mixed precision by (layer, kv head) unit (`kv_keep` with `keep_units`): the listed units
+    stay `keep_dtype`, every other one uses `base`.
+
+    Per kv head h the store holds two real buffers (leaves [rows, B, 1, C, ...]): "keep{h}",
+    the `keep_dtype` store of the layers whose unit (layer, h) is kept, and "base{h}", the base
+    format's store of the other layers. Kept units have no quantized buffer, so the bytes are
+    real. A traced layer index is routed per head through static layer -> row tables; reads
+    pick one part per head (`lax.cond`), writes drop the float scatter for quantized units (a
+    row past the end) and skip the base write for kept ones (`lax.cond`). Formats quantize
+    each (layer, head) on its own, so a quantized unit stores exactly what `base` would.
+    """
+
+    name: ClassVar[str] = "mixed_units"
+    base: KVFormat = None
+    keep_units: tuple[tuple[int, int], ...] = ()
+    keep_dtype: str = "bf16"
+
+    def __post_init__(self):
+        if not isinstance(self.base, KVFormat) or isinstance(self.base, (Mixed, MixedUnits)):
+            raise TypeError(f"kv_keep: base={self.base!r} must be a (non-mixed) KVFormat, "
+                            "e.g. get_format('int4')")
+        object.__setattr__(self, "keep_units", _unit_tuple(self.keep_units))
+        if not self.keep_units:
+            raise ValueError("kv_keep: keep_units is empty; without kept units use the base "
+                             f"format {self.base.name!r} itself")
+        if self.keep_dtype not in KEEP_DTYPES:
+            raise ValueError(f"kv_keep: keep_dtype={self.keep_dtype!r} is not one of "
+                             f"{KEEP_DTYPES}")
+
+    @property
+    def keep(self) -> KVFormat:
+        return FORMATS[self.keep_dtype]()
+
+    def fit(self, capacity: int) -> int:
+        return self.base.fit(capacity)
+
+    def kept_layers(self, L: int, K: int) -> list[tuple[int, ...]]:
+        """Per kv head, the layers whose unit is kept (checked against L layers, K heads)."""
+        bad = [u for u in self.keep_units if u[0] >= L or u[1] >= K]
+        if bad:
+            raise ValueError(f"kv_keep: keep_units has {bad} outside the model's {L} layers x "
+                             f"{K} kv heads; valid units are (0..{L - 1}, 0..{K - 1})")
+        return [tuple(layer for layer, h in self.keep_units if h == head) for head in range(K)]
+
+    def init(self, shape, kind):
+        _check_kind(kind)
+        L, B, K, C, E = _check_shape(shape)
+        store = {}
+        for h, kept in enumerate(self.kept_layers(L, K)):
+            if kept:
+                store[f"keep{h}"] = self.keep.init((len(kept), B, 1, C, E), kind)
+            if len(kept) < L:
+                store[f"base{h}"] = self.base.init((L - len(kept), B, 1, C, E), kind)
+        return store
+
+    def bytes_formula(self, L, B, K, C, E, kind):
+        return sum((self.keep.bytes_formula(len(kept), B, 1, C, E, kind) if kept else 0)
+                   + (self.base.bytes_formula(L - len(kept), B, 1, C, E, kind)
+                      if len(kept) < L else 0)
+                   for kept in self.kept_layers(L, K))
+
+    def _routes(self, store, layer):
+        """Per head: (kept?, row in its "keep" or "base" part) of a traced layer index."""
+        K = len({n[4:] for n in store})
+        h0 = [jax.tree.leaves(store[n])[0].shape[0] for n in (f"keep{0}", f"base{0}")
+              if n in store]
+        L = sum(h0)
+        out = []
+        for kept_layers in self.kept_layers(L, K):
+            kept = np.zeros(L, bool)
+            kept[list(kept_layers)] = True
+            row = np.zeros(L, np.int32)
+            row[kept] = np.arange(kept.sum())
+            row[~kept] = np.arange((~kept).sum())
+            out.append((jnp.asarray(kept)[layer], jnp.asarray(row)[layer]))
+        return out
+
+    def read(self, store, layer, kind):
+        with jax.named_scope("kv_format_read"):
+            parts = []
+            for h, (kept, row) in enumerate(self._routes(store, layer)):
+                k, b = store.get(f"keep{h}"), store.get(f"base{h}")
+                if b is None:
+                    parts.append(self.keep.read(k, row, kind))  # [B, 1, C, E]
+                elif k is None:
+                    parts.append(self.base.read(b, row, kind))
+                else:
+                    parts.append(jax.lax.cond(kept, lambda k=k, r=row: self.keep.read(k, r, kind),
+                                              lambda b=b, r=row: self.base.read(b, r, kind)))
+            return jnp.concatenate(parts, axis=1)  # [B, K, C, E]
+
+    def write(self, store, layer, slots, x, kind):
+        with jax.named_scope("kv_format_write"):
+            out = dict(store)
+            for h, (kept, row) in enumerate(self._routes(store, layer)):
+                sh, xh = slots[:, h:h + 1], x[:, h:h + 1]  # [B, 1, T], [B, 1, T, E]
+                k, b = store.get(f"keep{h}"), store.get(f"base{h}")
+                if k is not None:  # a row past the end is dropped by the float scatter
+                    n = jax.tree.leaves(k)[0].shape[0]
+                    out[f"keep{h}"] = self.keep.write(k, jnp.where(kept, row, n), sh, xh, kind)
+                if b is not None:
+                    def write_base(s, row=row, sh=sh, xh=xh):
+                        return self.base.write(s, row, sh, xh, kind)
+
+                    out[f"base{h}"] = (write_base(b) if k is None else
+                                       jax.lax.cond(kept, lambda s: s, write_base, b))
+            return out
+
+
 def get_format(name: str, **options) -> KVFormat:
     """The format called `name` with its options (e.g. get_format("int4", group=64)).
 
     `keep_layers`, `keep_heads` (tuples of indices) and `keep_dtype` ("bf16" or "f32") wrap it
-    in `Mixed` (kv_keep): those layers and kv heads stay full precision.
+    in `Mixed` (kv_keep): those layers and kv heads stay full precision. `keep_units` ((layer,
+    kv head) pairs, instead of keep_layers/keep_heads) wraps it in `MixedUnits`.
     """
     if name not in FORMATS:
         raise ValueError(f"unknown kv format {name!r}; choose one of {sorted(FORMATS)}")
@@ -1028,6 +1158,12 @@ def get_format(name: str, **options) -> KVFormat:
             f"{fields + list(KEEP_OPTIONS)}"
         )
     fmt = cls(**options)
+    if keep.get("keep_units"):
+        if keep.get("keep_layers") or keep.get("keep_heads"):
+            raise ValueError("kv_keep: give keep_units alone, or keep_layers/keep_heads "
+                             f"(got keep_units with {sorted(k for k in keep if keep[k])})")
+        return MixedUnits(fmt, keep["keep_units"], keep.get("keep_dtype", "bf16"))
+    keep.pop("keep_units", None)
     if not keep.get("keep_layers") and not keep.get("keep_heads"):
         if "keep_dtype" in keep and keep["keep_dtype"] not in KEEP_DTYPES:
             raise ValueError(f"kv_keep: keep_dtype={keep['keep_dtype']!r} is not one of "

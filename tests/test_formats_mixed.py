@@ -138,6 +138,91 @@ def test_mixed_needs_something_to_keep_and_a_plain_base():
         Mixed(get_format("int4", keep_layers=(0,)), keep_layers=(1,))
 
 
+# ----------------------------------------------------------------------------- keep_units
+
+ALL_UNITS = tuple((layer, h) for layer in range(L) for h in range(K))
+UNIT_CASES = [
+    ("int2", {"group": 8, "keep_units": ((3, 0), (0, 1), (3, 2))}),  # per-channel keys
+    ("int4", {"group": 8, "value_group": 16, "key_mode": "token", "keep_units": [[1, 1]],
+              "keep_dtype": "f32"}),
+    ("int8", {"keep_units": ALL_UNITS[1:]}),  # one quantized unit left
+]
+
+
+@pytest.mark.parametrize("name,opts", UNIT_CASES, ids=[n for n, _ in UNIT_CASES])
+def test_kept_units_read_back_in_full_precision(name, opts):
+    """Kept (layer, head) units read back exactly (bf16-exact data for bf16); every other unit
+    reads back bit for bit what the base format alone stores for it."""
+    fmt = get_format(name, **opts)
+    assert isinstance(fmt, F.MixedUnits)
+    base = get_format(name, **{k: v for k, v in opts.items() if not k.startswith("keep_")})
+    x = np.random.default_rng(1).normal(size=(L, B, K, C, E)).astype(np.float32)
+    if fmt.keep_dtype == "bf16":
+        x = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+    slots = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, K, C))
+    got, ref = np.asarray(write_read(fmt, base, jnp.asarray(x), slots))  # [2, 2, L, B, K, C, E]
+    for layer in range(L):
+        for h in range(K):
+            if (layer, h) in fmt.keep_units:
+                np.testing.assert_array_equal(got[:, layer, :, h], np.stack([x[layer, :, h]] * 2))
+            else:
+                np.testing.assert_array_equal(got[:, layer, :, h], ref[:, layer, :, h])
+                assert np.abs(got[:, layer, :, h] - x[layer, :, h]).max() > 0
+
+
+@pytest.mark.parametrize("units", [((0, 0),), ((5, 1), (29, 2), (0, 0), (17, 1))])
+def test_kept_units_cost_their_full_precision_bytes_only(units):
+    """Real buffers = kept units at bf16 + the base format of one unit times the others (the
+    formats' bytes are linear in units), so each kept unit adds exactly its own difference."""
+    shape = (30, 1, 3, 2048, 64)
+    fmt = get_format("int4", keep_units=units)
+    real = sum(store_nbytes(jax.eval_shape(lambda k=k: fmt.init(shape, k))) for k in "kv")
+    one = (1, 1, 1, 2048, 64)
+    closed = len(units) * 2 * 2048 * 64 * 2 + (90 - len(units)) * fmt.base.nbytes(one)
+    assert real == fmt.nbytes(shape) == closed
+    assert fmt.base.nbytes(shape) < real < get_format("bf16").nbytes(shape)
+
+
+def test_all_units_kept_in_f32_give_the_f32_cache_logits():
+    """On the tiny model, every unit kept in f32 is the f32 cache (same logits over a prompt
+    and decode steps); one quantized unit changes them."""
+    from kvjax.cache import init_cache
+    from kvjax.config import tiny_config
+    from kvjax.model import forward_jit
+
+    cfg = tiny_config(n_layers=3, n_kv_heads=2, head_dim=16)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 40), 0, cfg.vocab_size)
+    units = tuple((layer, h) for layer in range(3) for h in range(2))
+
+    def logits(fmt):
+        cache = init_cache(cfg, 1, get_policy("full"), fmt, 64)
+        out = []
+        for lo, hi in ((0, 32), (32, 33), (33, 40)):
+            lg, cache = forward_jit(params, tokens[:, lo:hi], cache, cfg)
+            out.append(lg)
+        return np.asarray(jnp.concatenate(out, axis=1))
+
+    want = logits(get_format("f32"))
+    int2 = {"group": 8, "residual": 8}
+    np.testing.assert_array_equal(
+        logits(get_format("int2", **int2, keep_units=units, keep_dtype="f32")), want)
+    one_left = get_format("int2", **int2, keep_units=units[1:], keep_dtype="f32")
+    assert np.abs(logits(one_left) - want).max() > 1e-4
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({"keep_units": ((0, 3),)}, (r"keep_units has \[\(0, 3\)\] outside the model's 30 layers x 3 "
+                                r"kv heads; valid units are \(0\.\.29, 0\.\.2\)")),
+    ({"keep_units": ((0, 1), (0, 1))}, r"repeats a unit"),
+    ({"keep_units": ((0,),)}, r"keep_units holds \[\(0,\)\]"),
+    ({"keep_units": ((0, 1),), "keep_layers": (2,)}, r"give keep_units alone"),
+])
+def test_bad_units_are_clear(opts, match):
+    with pytest.raises(ValueError, match=match):
+        get_format("int4", **opts).init((30, 1, 3, 64, 64), "k")
+
+
 # ----------------------------------------------------------------------------- memory
 
 # 8 layers, 2 kv heads, E = 16, 1024 slots: the whole cache in f32 is 1 MiB, one layer 128 KiB

@@ -92,7 +92,8 @@ def test_tova_check_fails_when_tova_does_not_beat_the_window(tmp_path):
 
 def _retrieval(k, n, kv=None, total=None, capacity=74):
     cache = {"kv_bytes": kv, "total_bytes": total, "capacity": capacity}
-    return Done("x", {"metrics": {"n_correct": k, "n_samples": n}, "cache": cache})
+    return Done("x", {"metrics": {"accuracy": k / n, "n_correct": k, "n_samples": n},
+                      "cache": cache})
 
 
 def test_pyramid_check_fails_on_unequal_bytes_or_an_unanswerable_task():
@@ -132,23 +133,6 @@ def test_pyramid_lost_digits_is_a_proper_subsequence_of_the_key(answer, lost):
 
     row = {"answer": answer, "key": 86556, "correct": "86556" in answer}
     assert lost_digits(row) is lost
-
-
-@pytest.mark.parametrize("k,n", [(0, 20), (1, 20), (10, 20), (19, 20), (20, 20), (3, 7)])
-def test_wilson_endpoints_solve_the_score_equation(k, n):
-    """Wilson's interval is the set of p with |k/n - p| <= z sqrt(p (1 - p) / n): each endpoint
-    inside (0, 1) solves it with equality, and the interval holds k/n."""
-    from experiments.reproduce.common import wilson
-
-    z = 1.959964
-    lo, hi = wilson(k, n)
-    assert 0 <= lo <= k / n <= hi <= 1
-    for p in (lo, hi):
-        if 0 < p < 1:
-            assert (k / n - p) ** 2 == pytest.approx(z * z * p * (1 - p) / n, rel=1e-9)
-    assert (lo == 0) == (k == 0) and (hi == 1) == (k == n)
-    with pytest.raises(ValueError, match="k=5, n=4"):
-        wilson(5, 4)
 
 
 def _gqa_extra(**change):
@@ -255,10 +239,6 @@ def test_wilson_matches_the_score_test_it_inverts():
         wilson(3, 2)
 
 
-def _retrieval(k, n):
-    return Done("x", {"metrics": {"accuracy": k / n, "n_correct": k, "n_samples": n}})
-
-
 def test_snapkv_check_fails_on_a_wrong_shape():
     """The check reads the mildest compression's per-head point and fails when SnapKV loses
     keys the full cache finds, or when the full cache itself fails (nothing to compare)."""
@@ -270,3 +250,34 @@ def test_snapkv_check_fails_on_a_wrong_shape():
         rep.check({**good, "passkey/1.33333x/snapkv": _retrieval(3, 5)}, {})
     with pytest.raises(AssertionError, match="full cache finds only"):
         rep.check({**good, "passkey/full": _retrieval(1, 5)}, {})
+
+
+def _ppl(label, perplexity):
+    return Done(label, {"metrics": {"perplexity": perplexity}})
+
+
+def test_kivi_check_fails_when_channel_keys_do_not_beat_token_keys():
+    rep = get("kivi")
+    good = {"ppl/int2/R32": _ppl("c", 20.0), "ppl/int2/token": _ppl("t", 140.0)}
+    rep.check(good, {})
+    with pytest.raises(AssertionError, match="per-token keys"):
+        rep.check({**good, "ppl/int2/token": _ppl("t", 25.0)}, {})
+
+
+def _ppl_bytes(label, perplexity, kv_bytes):
+    return Done(label, {"metrics": {"perplexity": perplexity},
+                        "cache": {"kv_bytes": kv_bytes, "capacity": 64}})
+
+
+def test_critical_heads_check_fails_on_a_wrong_shape():
+    rep = get("critical_heads")
+    every = "int2/random0/90"
+    good = {"f32": _ppl_bytes("f", 50.0, 1000), "int2/0": _ppl_bytes("0", 57.0, 250),
+            every: _ppl_bytes("a", 50.2, 500)}
+    rep.check(good, {})
+    with pytest.raises(AssertionError, match="does not lose"):
+        rep.check({**good, "int2/0": _ppl_bytes("0", 51.0, 250)}, {})
+    with pytest.raises(AssertionError, match="cost no bytes"):
+        rep.check({**good, every: _ppl_bytes("a", 50.2, 250)}, {})
+    with pytest.raises(AssertionError, match="every unit kept"):
+        rep.check({**good, every: _ppl_bytes("a", 53.0, 500)}, {})

@@ -13,7 +13,9 @@ PAPERS = {"streamingllm": "experiments.reproduce.streamingllm",
           "tova": "experiments.reproduce.tova",
           "pyramid": "experiments.reproduce.pyramid",
           "gqa": "experiments.reproduce.gqa",
-          "snapkv": "experiments.reproduce.snapkv"}
+          "snapkv": "experiments.reproduce.snapkv",
+          "kivi": "experiments.reproduce.kivi",
+          "critical_heads": "experiments.reproduce.critical_heads"}
 
 
 def get(name: str):

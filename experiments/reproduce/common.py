@@ -92,6 +92,14 @@ def _no_speed():
     return SpeedSpec(prompt=0)
 
 
+def kv_bytes_per_token(d: Done) -> float:
+    """Measured bytes per cached token of the point's k + v stores (codes, scales and zero
+    points, full-precision residual and fallback rows included; positions excluded): the
+    record's kv_bytes over the cache capacity."""
+    c = d.record["cache"]
+    return c["kv_bytes"] / c["capacity"]
+
+
 def run_points(points: list[tuple[str, RunSpec]], echo=print) -> dict[str, Done]:
     """Plan every point first (bad settings fail before any model work), then execute them in
     order; a point already in the store is read back, not rerun. Compress-mode points on one
