@@ -350,7 +350,7 @@ def test_ctrl_c_during_a_run_py_task(tmp_path):
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     with open(err, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "run.py"), "model=tiny", "task.length=6000",
+            [sys.executable, str(ROOT / "run.py"), "model=tiny", "task.length=30000",
              "task.chunk=1", "progress=true", "speed.prompt=0", "wandb.mode=disabled",
              f"results={store}", f"hydra.run.dir={tmp_path}/run", "xla_cache=null"],
             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=f)
