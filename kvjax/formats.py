@@ -856,6 +856,15 @@ def _index_tuple(what: str, value) -> tuple[int, ...]:
     return tuple(sorted(int(v) for v in items))
 
 
+def _check_keep(base, keep_dtype: str) -> None:
+    """A kv_keep wrapper's base is one plain format and its kept units a float dtype."""
+    if not isinstance(base, KVFormat) or isinstance(base, (Mixed, MixedUnits)):
+        raise TypeError(f"kv_keep: base={base!r} must be a (non-mixed) KVFormat, "
+                        "e.g. get_format('int4')")
+    if keep_dtype not in KEEP_DTYPES:
+        raise ValueError(f"kv_keep: keep_dtype={keep_dtype!r} is not one of {KEEP_DTYPES}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Mixed(KVFormat):
     """Mixed precision (`kv_keep`): chosen layers and kv heads stay full precision, the rest
@@ -881,17 +890,12 @@ class Mixed(KVFormat):
     keep_dtype: str = "bf16"
 
     def __post_init__(self):
-        if not isinstance(self.base, KVFormat) or isinstance(self.base, Mixed):
-            raise TypeError(f"kv_keep: base={self.base!r} must be a (non-mixed) KVFormat, "
-                             f"e.g. get_format('int4')")
+        _check_keep(self.base, self.keep_dtype)
         object.__setattr__(self, "keep_layers", _index_tuple("keep_layers", self.keep_layers))
         object.__setattr__(self, "keep_heads", _index_tuple("keep_heads", self.keep_heads))
         if not self.keep_layers and not self.keep_heads:
             raise ValueError("kv_keep: give keep_layers and/or keep_heads (both are empty); "
                              f"without them use the base format {self.base.name!r} itself")
-        if self.keep_dtype not in KEEP_DTYPES:
-            raise ValueError(f"kv_keep: keep_dtype={self.keep_dtype!r} is not one of "
-                             f"{KEEP_DTYPES}")
 
     @property
     def keep(self) -> KVFormat:
@@ -1048,16 +1052,11 @@ class MixedUnits(KVFormat):
     keep_dtype: str = "bf16"
 
     def __post_init__(self):
-        if not isinstance(self.base, KVFormat) or isinstance(self.base, (Mixed, MixedUnits)):
-            raise TypeError(f"kv_keep: base={self.base!r} must be a (non-mixed) KVFormat, "
-                            "e.g. get_format('int4')")
+        _check_keep(self.base, self.keep_dtype)
         object.__setattr__(self, "keep_units", _unit_tuple(self.keep_units))
         if not self.keep_units:
             raise ValueError("kv_keep: keep_units is empty; without kept units use the base "
                              f"format {self.base.name!r} itself")
-        if self.keep_dtype not in KEEP_DTYPES:
-            raise ValueError(f"kv_keep: keep_dtype={self.keep_dtype!r} is not one of "
-                             f"{KEEP_DTYPES}")
 
     @property
     def keep(self) -> KVFormat:
