@@ -9,10 +9,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
+from kvjax.loading.hub import cache_root
+
 DATA = Path(__file__).parent / "data"
+
+# Compiled programs persist between test runs beside the cached model (JAX's persistent
+# compilation cache, every program however small): XLA compilation is most of the tiny-model
+# tests' time, and a warm run skips it (tests/test_formats_matrix.py: 93 s cold, 23 s warm).
+jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla-tests"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(scope="session")
