@@ -83,7 +83,7 @@ def train_step(params, opt_state, tokens, cache, cfg: ModelConfig, tc: TrainConf
     Compiled once per (cfg, tc, shapes), so runs with the same settings share it."""
     loss, grads = jax.value_and_grad(lm_loss)(params, tokens, cfg, cache)
     updates, opt_state = uptrain_optimizer(tc).update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
 
 def batches(ids: np.ndarray, tc: TrainConfig):
