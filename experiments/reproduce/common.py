@@ -43,6 +43,12 @@ class Done:
     def metrics(self) -> dict:
         return self.record["metrics"]
 
+    def nll(self):
+        """The point's per-token NLL (nll.npy beside its record)."""
+        import numpy as np
+
+        return np.load(Path(self.record["run_dir"]) / "nll.npy")
+
     @property
     def run_s(self) -> float:
         """The seconds the point's own run took (its record's total_s: load, task, baseline)."""
@@ -128,6 +134,19 @@ def wilson(k: int, n: int) -> tuple[float, float]:
     centre = (p + z2 / 2) / (1 + z2)
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n)) / (1 + z2)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def int_list(s: str) -> tuple[int, ...]:
+    """A command-line list "1,2,4" -> (1, 2, 4) (empty items ignored)."""
+    return tuple(int(x) for x in s.split(",") if x)
+
+
+def float_list(s: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in s.split(",") if x)
+
+
+def name_list(s: str) -> tuple[str, ...]:
+    return tuple(x for x in s.split(",") if x)
 
 
 def command_line(name: str, argv: list[str]) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from experiments.reproduce.common import Reproduction, kv_bytes_per_token, spec
+from experiments.reproduce.common import Reproduction, int_list, kv_bytes_per_token, name_list, spec
 from kvjax.results import atomic_write_text
 from kvjax.tasks.perplexity import Perplexity
 
@@ -25,14 +25,6 @@ UNITS = 90  # 30 layers x 3 kv heads of the default model
 CRITERIA = {"kl": "KL when only that unit is quantized",
             "kv_error": "relative error of the unit's stored k and v",
             "random": "random (seeded)"}
-
-
-def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x)
-
-
-def _names(s: str) -> tuple[str, ...]:
-    return tuple(x for x in s.split(",") if x)
 
 
 class CriticalHeads(Reproduction):
@@ -52,17 +44,17 @@ class CriticalHeads(Reproduction):
         parser.add_argument("--chunk", type=int, default=4,
                             help="tokens per forward (1: token by token)")
         parser.add_argument("--main", default="int2", help="base compared across criteria")
-        parser.add_argument("--counts", type=_ints, default=(1, 2, 4, 8, 16),
+        parser.add_argument("--counts", type=int_list, default=(1, 2, 4, 8, 16),
                             help="kept units chosen by kl at the main base")
-        parser.add_argument("--kv-error-counts", type=_ints, default=(4, 8, 16),
+        parser.add_argument("--kv-error-counts", type=int_list, default=(4, 8, 16),
                             help="kept units chosen by kv_error at the main base")
-        parser.add_argument("--random-counts", type=_ints, default=(4, 8, 16),
+        parser.add_argument("--random-counts", type=int_list, default=(4, 8, 16),
                             help="kept units drawn at random at the main base")
-        parser.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="random draws")
-        parser.add_argument("--others", type=_names, default=("int4", "int8"),
+        parser.add_argument("--seeds", type=int_list, default=(0, 1, 2), help="random draws")
+        parser.add_argument("--others", type=name_list, default=("int4", "int8"),
                             help="other bases: units ranked by the main base's kl, kept at "
                                  "--other-counts")
-        parser.add_argument("--other-counts", type=_ints, default=(16,))
+        parser.add_argument("--other-counts", type=int_list, default=(16,))
         parser.add_argument("--calib-prefix", type=int, default=256,
                             help="calibration tokens written into the cache")
         parser.add_argument("--calib-tokens", type=int, default=64,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from experiments.reproduce.common import Reproduction, spec
+from experiments.reproduce.common import Reproduction, float_list, spec
 from kvjax.tasks.agreement import Agreement
 from kvjax.tasks.perplexity import Perplexity
 
@@ -25,10 +25,6 @@ POLICIES = {  # name -> (description, policy, its options given the budget)
 
 def budget(fraction: float, length: int) -> int:
     return max(2, round(fraction * length))
-
-
-def _floats(s: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in s.split(",") if x)
 
 
 class H2O(Reproduction):
@@ -53,7 +49,7 @@ class H2O(Reproduction):
         parser.add_argument("--length", type=int, default=1024, help="perplexity tokens")
         parser.add_argument("--agreement-length", type=int, default=512, help="agreement tokens")
         parser.add_argument("--chunk", type=int, default=16, help="tokens per forward")
-        parser.add_argument("--fractions", type=_floats, default=(0.05, 0.1, 0.2, 0.5),
+        parser.add_argument("--fractions", type=float_list, default=(0.05, 0.1, 0.2, 0.5),
                             help="budgets as fractions of the text")
         parser.add_argument("--policies", type=lambda v: tuple(v.split(",")),
                             default=tuple(POLICIES), help=f"among {','.join(POLICIES)}")

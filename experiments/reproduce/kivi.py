@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from experiments.reproduce.common import Reproduction, kv_bytes_per_token, spec, wilson
+from experiments.reproduce.common import Reproduction, kv_bytes_per_token, name_list, spec, wilson
 from kvjax.tasks.passkey import Passkey
 from kvjax.tasks.perplexity import Perplexity
 
@@ -31,10 +31,6 @@ def options(variant: str) -> tuple:
     if opts["key_mode"] == "token":
         opts.pop("residual")  # per-token keys keep no residual
     return tuple(sorted(opts.items()))
-
-
-def _names(s: str) -> tuple[str, ...]:
-    return tuple(x for x in s.split(",") if x)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -65,15 +61,15 @@ class KIVIRepro(Reproduction):
     def add_arguments(self, parser):
         parser.add_argument("--length", type=int, default=512,
                             help="perplexity tokens (scored token by token)")
-        parser.add_argument("--bits", type=_names, default=("int2", "int4"),
+        parser.add_argument("--bits", type=name_list, default=("int2", "int4"),
                             help="formats among int2,int4")
-        parser.add_argument("--variants", type=_names, default=tuple(VARIANTS),
+        parser.add_argument("--variants", type=name_list, default=tuple(VARIANTS),
                             help=f"perplexity variants among {','.join(VARIANTS)}")
         parser.add_argument("--passkey-length", type=int, default=512, help="0: no passkey")
         parser.add_argument("--passkey-samples", type=int, default=20)
-        parser.add_argument("--passkey-variants", type=_names, default=("kivi", "token"),
+        parser.add_argument("--passkey-variants", type=name_list, default=("kivi", "token"),
                             help="passkey variants (each at every --passkey-bits)")
-        parser.add_argument("--passkey-bits", type=_names, default=("int2",),
+        parser.add_argument("--passkey-bits", type=name_list, default=("int2",),
                             help="passkey formats among int2,int4")
 
     def quick_defaults(self):

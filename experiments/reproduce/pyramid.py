@@ -19,7 +19,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from experiments.reproduce.common import Done, Reproduction, spec, wilson
+from experiments.reproduce.common import Done, Reproduction, float_list, int_list, spec, wilson
 from kvjax.tasks.needle import Needle
 from kvjax.tasks.passkey import Passkey
 
@@ -38,14 +38,6 @@ POLICIES = {
     "adakv": ("Ada-KV on H2O's scores (per-head shares)", "adakv",
               lambda w: (("mode", "compress"), ("window", w)), "h2o"),
 }
-
-
-def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x)
-
-
-def _floats(s: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in s.split(",") if x)
 
 
 def correct(d: Done) -> list[dict]:
@@ -123,15 +115,15 @@ class Pyramid(Reproduction):
                    "one uniform budget at small budgets (needle, LongBench, Ruler)")
 
     def add_arguments(self, parser):
-        parser.add_argument("--budgets", type=_ints, default=(48, 96),
+        parser.add_argument("--budgets", type=int_list, default=(48, 96),
                             help="mean slots per kv head and layer (the uniform budget)")
         parser.add_argument("--window", type=int, default=16,
                             help="SnapKV's observation window / H2O's recent window")
         parser.add_argument("--passkey-length", type=int, default=512)
         parser.add_argument("--passkey-samples", type=int, default=20)
-        parser.add_argument("--needle-lengths", type=_ints, default=(256,),
+        parser.add_argument("--needle-lengths", type=int_list, default=(256,),
                             help="needle grid lengths (empty: no needle task)")
-        parser.add_argument("--needle-depths", type=_floats, default=(0.25, 0.75))
+        parser.add_argument("--needle-depths", type=float_list, default=(0.25, 0.75))
         parser.add_argument("--needle-samples", type=int, default=20, help="samples per cell")
         parser.add_argument("--policies", type=lambda v: tuple(v.split(",")),
                             default=("snapkv", "pyramid", "adasnapkv", "snapkv-mean"),

@@ -19,7 +19,7 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 
-from experiments.reproduce.common import Reproduction, spec, wilson
+from experiments.reproduce.common import Reproduction, float_list, name_list, spec, wilson
 from kvjax.experiment import ModelSpec, load
 from kvjax.formats import get_format
 from kvjax.generate import generate_many
@@ -54,10 +54,6 @@ def ablated(option) -> tuple:
     return tuple(option if k == option[0] else (k, v) for k, v in DEFAULT)
 
 
-def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x)
-
-
 def _factors(s: str) -> tuple[float, ...]:
     """Compression factors: integers stay integers (labels "2x"), others are floats."""
     return tuple(int(float(x)) if float(x).is_integer() else float(x) for x in s.split(",") if x)
@@ -65,14 +61,6 @@ def _factors(s: str) -> tuple[float, ...]:
 
 def cx(c) -> str:
     return f"{c:g}x"
-
-
-def _floats(s: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in s.split(",") if x)
-
-
-def _words(s: str) -> tuple[str, ...]:
-    return tuple(x for x in s.split(",") if x)
 
 
 def cell(d) -> tuple[int, int]:
@@ -124,18 +112,18 @@ class SnapKVRepro(Reproduction):
         parser.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens)")
         parser.add_argument("--compressions", type=_factors, default=(2, 4, 8, 16),
                             help="compression factors c (ratio = 1 - 1/c)")
-        parser.add_argument("--variants", type=_words, default=tuple(VARIANTS),
+        parser.add_argument("--variants", type=name_list, default=tuple(VARIANTS),
                             help=f"main-axis policies among {','.join(VARIANTS)}")
         parser.add_argument("--baselines-at", type=_factors, default=(2, 8),
                             help="compressions where window and random run (among --compressions)")
         parser.add_argument("--ablation-at", type=float, default=8,
                             help="compression of the one-factor ablations (0: none)")
-        parser.add_argument("--ablations", type=_words, default=tuple(ABLATIONS),
+        parser.add_argument("--ablations", type=name_list, default=tuple(ABLATIONS),
                             help=f"among {','.join(ABLATIONS)}")
         parser.add_argument("--qout", type=_factors, default=(2, 8),
                             help="compressions of the question-not-visible runs (empty: none)")
         parser.add_argument("--needle-length", type=int, default=512, help="0: no needle grid")
-        parser.add_argument("--needle-depths", type=_floats, default=(0.25, 0.75))
+        parser.add_argument("--needle-depths", type=float_list, default=(0.25, 0.75))
         parser.add_argument("--needle-chunk", type=int, default=128, help="needle prefill chunk")
         parser.add_argument("--needle-compressions", type=_factors, default=(2, 8))
         parser.add_argument("--digit-samples", type=int, default=4,

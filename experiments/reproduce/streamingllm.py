@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import functools
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from experiments.reproduce.common import Done, Reproduction, spec
+from experiments.reproduce.common import Done, Reproduction, int_list, spec
 from experiments.reproduce.recompute import PerplexityRecompute, _prefill
 from kvjax.cache import init_cache
 from kvjax.experiment import ModelSpec, load
@@ -29,10 +28,6 @@ from kvjax.tasks.perplexity import Perplexity
 from kvjax.tasks.text import encode_prefix
 
 CONTEXT = 8192  # SmolLM2's training context (the GGUF header's context_length)
-
-
-def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x)
 
 
 def label(W: int, sinks: int | str, rope: str = "") -> str:
@@ -61,15 +56,15 @@ class StreamingLLM(Reproduction):
     def add_arguments(self, parser):
         parser.add_argument("--length", type=int, default=2048, help="tokens scored")
         parser.add_argument("--chunk", type=int, default=128, help="tokens per forward")
-        parser.add_argument("--windows", type=_ints, default=(256, 1024), help="cache sizes W")
-        parser.add_argument("--sinks", type=_ints, default=(0, 1, 2, 4, 8),
+        parser.add_argument("--windows", type=int_list, default=(256, 1024), help="cache sizes W")
+        parser.add_argument("--sinks", type=int_list, default=(0, 1, 2, 4, 8),
                             help="sink counts with rope=cache")
-        parser.add_argument("--original-sinks", type=_ints, default=(0, 4),
+        parser.add_argument("--original-sinks", type=int_list, default=(0, 4),
                             help="sink counts also run with rope=original")
         parser.add_argument("--long", type=int, default=12288,
                             help="also run dense and 4 sinks + (W - 4) (W: the largest cache) "
                                  "over this many tokens, past the training context (0: not)")
-        parser.add_argument("--speed-windows", type=_ints, default=(256, 512, 1024),
+        parser.add_argument("--speed-windows", type=int_list, default=(256, 512, 1024),
                             help="cache sizes of the latency probe (empty: none)")
 
     def quick_defaults(self) -> dict:
@@ -231,7 +226,7 @@ class StreamingLLM(Reproduction):
                 "bound), while a GPU runs the window in parallel for little more than a decode "
                 "step; the direction, not the factor, carries over.")
         if args.long > CONTEXT:
-            a = {k: np.load(Path(done[k].record["run_dir"]) / "nll.npy")
+            a = {k: done[k].nll()
                  for k in ("long/dense", "long/sinks")}
             dense_past = float(np.exp(a["long/dense"][CONTEXT:].mean(dtype=np.float64)))
             sinks_past = float(np.exp(a["long/sinks"][CONTEXT:].mean(dtype=np.float64)))
@@ -255,7 +250,7 @@ class StreamingLLM(Reproduction):
 def long_section(args, done, img_dir) -> str:
     """Dense against 4 sinks over `--long` tokens: inside and past the training context."""
     W = max(args.windows)
-    nll = {k: np.load(Path(done[k].record["run_dir"]) / "nll.npy") for k in ("long/dense",
+    nll = {k: done[k].nll() for k in ("long/dense",
                                                                              "long/sinks")}
     n = len(nll["long/dense"]) + 1
     cut = min(CONTEXT, n - 1)
@@ -302,7 +297,7 @@ def ppl(d: Done) -> float:
 def past_ppl(d: Done, W: int) -> float:
     """Perplexity of the tokens predicted once a W-slot cache is full (nll[W:], from the
     point's saved per-token NLL)."""
-    nll = np.load(Path(d.record["run_dir"]) / "nll.npy")
+    nll = d.nll()
     return float(np.exp(nll[W:].mean(dtype=np.float64)))
 
 
@@ -315,7 +310,7 @@ def curves_figure(args, done):
                                                           "re-computation")] + [
                 (label(W, x, "cache"), "-", "window" if x == 0 else f"{x} sinks")
                 for x in args.sinks]:
-            nll = np.load(Path(done[lab].record["run_dir"]) / "nll.npy")
+            nll = done[lab].nll()
             k = len(nll) // smooth
             y = nll[:k * smooth].reshape(k, smooth).mean(axis=1)
             x = (np.arange(k) + 1) * smooth

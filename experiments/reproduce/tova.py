@@ -10,12 +10,10 @@ streaming perplexity (evict mode: the cache holds `budget` slots from the first 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import matplotlib.pyplot as plt
 import numpy as np
 
-from experiments.reproduce.common import Done, Reproduction, spec
+from experiments.reproduce.common import Reproduction, float_list, spec
 from kvjax.tasks.perplexity import Perplexity
 
 POLICIES = {  # label -> (description, policy, its options given the budget)
@@ -29,14 +27,6 @@ NEAR = 1.10  # "close to the full cache": perplexity within 10 %
 
 def budget(fraction: float, length: int) -> int:
     return max(8, round(fraction * length))
-
-
-def _floats(s: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in s.split(",") if x)
-
-
-def nll(d: Done) -> np.ndarray:
-    return np.load(Path(d.record["run_dir"]) / "nll.npy")
 
 
 def ppl(a: np.ndarray) -> float:
@@ -65,7 +55,7 @@ class TOVA(Reproduction):
         parser.add_argument("--chunk", type=int, default=4,
                             help="tokens per forward, evicting after each (1: token by token, "
                                  "as the paper, at about 4x the time of 4)")
-        parser.add_argument("--fractions", type=_floats, default=(0.125, 0.25, 0.5),
+        parser.add_argument("--fractions", type=float_list, default=(0.125, 0.25, 0.5),
                             help="budgets as fractions of the text")
         parser.add_argument("--policies", type=lambda v: tuple(v.split(",")),
                             default=tuple(POLICIES), help=f"among {','.join(POLICIES)}")
@@ -93,15 +83,15 @@ class TOVA(Reproduction):
         """At the largest budget measured TOVA beats the sliding window by a clear margin on
         the tokens predicted once the cache is full."""
         f = max(float(k.split("/")[0]) for k in done if k.endswith("/tova"))
-        n = len(nll(done["full"])) + 1
+        n = len(done["full"].nll()) + 1
         b = budget(f, n)
-        t, w = (ppl(nll(done[f"{f}/{lab}"])[b:]) for lab in ("tova", "window"))
+        t, w = (ppl(done[f"{f}/{lab}"].nll()[b:]) for lab in ("tova", "window"))
         assert w > 1.05 * t, (f"window {w:.2f} is not clearly worse than TOVA {t:.2f} at budget "
                               f"{b} (past the cache)")
 
     def body(self, args, done, extra, img_dir):
-        n = len(nll(done["full"])) + 1
-        full = nll(done["full"])
+        n = len(done["full"].nll()) + 1
+        full = done["full"].nll()
         rows = ["## Results", "",
                 ("Perplexity over all scored tokens, and in brackets over the tokens predicted "
                  "once the cache is full (tokens b+1..n-1, where the policies differ); the full "
@@ -114,7 +104,7 @@ class TOVA(Reproduction):
             b = budget(f, n)
             cells, past = [], {}
             for lab in args.policies:
-                a = nll(done[f"{f}/{lab}"])
+                a = done[f"{f}/{lab}"].nll()
                 past[lab] = ppl(a[b:])
                 cells.append(f"{ppl(a):.3f} ({past[lab]:.3f})")
             best = min(past, key=past.get)
@@ -179,10 +169,10 @@ class TOVA(Reproduction):
 
     def figure(self, args, done, n):
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        full = nll(done["full"])
+        full = done["full"].nll()
         xs = [budget(f, n) for f in args.fractions]
         for lab in args.policies:
-            ys = [ppl(nll(done[f"{f}/{lab}"])[b:]) for f, b in zip(args.fractions, xs)]
+            ys = [ppl(done[f"{f}/{lab}"].nll()[b:]) for f, b in zip(args.fractions, xs)]
             ax.plot(xs, ys, "o-", label=POLICIES[lab][0])
         ax.plot(xs, [ppl(full[b:]) for b in xs], "k:", label="full cache (same tokens)")
         ax.set_xscale("log", base=2)
