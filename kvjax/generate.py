@@ -12,6 +12,7 @@ import numpy as np
 
 from kvjax.cache import KVCache, LayerView, init_cache
 from kvjax.config import ModelConfig
+from kvjax.mesh import to_host
 from kvjax.model import forward
 from kvjax.policies.base import Observers, Policy
 
@@ -92,7 +93,8 @@ def start(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], policy, fm
 def decode(params, cfg: ModelConfig, logits, cache, n: int, *, temperature: float = 0.0,
            top_p: float = 1.0, seed: int = 0):
     """Sample n tokens per row from `logits` [B, V] on, feeding each back (`cache` donated).
-    Returns (tokens [B, n] numpy, cache); the cache is checked for NaN/inf."""
+    Returns (tokens [B, n] numpy, gathered from every process when rows are split over hosts,
+    cache); the cache is checked for NaN/inf."""
     key = jax.random.PRNGKey(seed)
     out = []
     for _ in range(n):
@@ -101,7 +103,7 @@ def decode(params, cfg: ModelConfig, logits, cache, n: int, *, temperature: floa
         out.append(tok)
         logits, cache = decode_step(params, tok, cache, cfg)
     cache.check_finite()
-    tokens = np.asarray(jnp.stack(out, axis=1)) if out else np.zeros((len(logits), 0), np.int32)
+    tokens = to_host(jnp.stack(out, axis=1)) if out else np.zeros((len(logits), 0), np.int32)
     return tokens, cache
 
 

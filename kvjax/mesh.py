@@ -84,6 +84,17 @@ def init_distributed(coordinator: str, num_processes: int, process_id: int) -> N
                                process_id=process_id)
 
 
+def to_host(x) -> np.ndarray:
+    """`x` as numpy in this process. An array with shards on other processes' devices (a batch
+    split over hosts) is gathered first (`multihost_utils.process_allgather`, a collective:
+    every process must call it), so each host reads the whole result."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 @functools.cache
 def build_mesh(spec: MeshSpec) -> Mesh:
     """The ('data', 'model') mesh over the first data·model devices."""
