@@ -192,11 +192,15 @@ def run_dir() -> Path:
 
 
 def set_xla_cache(path: str | None) -> None:
-    """Persist compiled XLA programs across runs (a warm sweep point skips most compiling)."""
+    """Persist compiled XLA programs across runs, every program however small (JAX's default
+    skips those compiled in under a second: a run has ~30 of them, ~1 s in all), so a warm
+    sweep point compiles nothing."""
     if path:
         import jax
 
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def run_log_echo():
