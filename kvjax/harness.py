@@ -23,7 +23,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, plan, run
 from kvjax.loading.hub import cache_root
 from kvjax.mesh import MeshSpec
-from kvjax.results import ResultsStore, record_failure
+from kvjax.results import ResultsStore, prepare_wandb, record_failure
 from kvjax.tasks import TASKS, get_task
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -268,6 +268,7 @@ def main(cfg: DictConfig):
         sys.exit(2)
     try:
         set_xla_cache(cfg.xla_cache)
+        prepare_wandb(spec.wandb.mode)
         out = run(planned, run_dir(), echo)
         return objective(out.record or out.existing, cfg.objective.max_cache_bytes,
                          cfg.objective.penalty, echo)
