@@ -6,12 +6,14 @@ Each run is a fresh `python run.py` process (default overrides: the main job, `p
 kv_dtype=int4`), timed from outside (wall and CPU seconds of the process). "cold" runs with an
 empty `$KVJAX_CACHE` (no XLA cache, no dequantized weights; the GGUF is linked in, so no
 download), "warm" runs then reuse that cache as a second run on the same machine does. Results
-go to a temporary store (`force=true`, W&B off), so the user's store is untouched.
+go to a temporary store (`force=true`; W&B as configured, offline by default, into the run
+directory), so the user's store is untouched.
 
 Inside each process a small wrapper (`--child`) counts JAX's compilation-cache events (hits,
 misses: programs compiled) and times the phases: imports, planning (model header, tokenizer,
-checks), loading the weights, the task, the full-cache baseline, the speed probe, and JAX's
-tracing + lowering (which no persistent cache skips) and backend compiles.
+checks), loading the weights, the task, the full-cache baseline, the speed probe, W&B logging,
+and (overlapping those) JAX's tracing + lowering, which no persistent cache skips, and backend
+compiles.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN_JOB = ["policy=lru", "kv_dtype=int4"]
-PHASES = ["imports", "plan", "load", "task", "baseline", "speed_probe", "trace_lower",
+PHASES = ["imports", "plan", "load", "task", "baseline", "speed_probe", "wandb", "trace_lower",
           "backend_compile"]
 
 
@@ -68,7 +70,7 @@ def child(overrides: list[str]) -> None:
 
     timed(harness, "plan", "plan")
     for name, phase in [("load", "load"), ("get_baseline", "baseline"),
-                        ("measure_speed", "speed_probe")]:
+                        ("measure_speed", "speed_probe"), ("log_wandb", "wandb")]:
         timed(experiment, name, phase)
     for cls in TASKS.values():
         timed(cls, "run", "task")
@@ -91,7 +93,7 @@ def child(overrides: list[str]) -> None:
 def one_run(cache: Path, out: Path, overrides: list[str], tag: str) -> dict:
     env = {**os.environ, "KVJAX_CACHE": str(cache)}
     cmd = [sys.executable, "-m", "experiments.bench_sweep_point", "--child", "--",
-           *overrides, f"results={out / 'results.jsonl'}", "force=true", "wandb.mode=disabled",
+           *overrides, f"results={out / 'results.jsonl'}", "force=true",
            f"hydra.run.dir={out / tag}"]
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
