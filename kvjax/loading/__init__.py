@@ -89,6 +89,8 @@ def load_model(
     """(ModelConfig, float32 numpy params, Tokenizer) from a registered name, a .gguf or a HF dir.
 
     Existing paths win over registry names; a registered name is fetched into the cache first.
+    A GGUF's params come from its dequantized-weights cache once it has one (read-only views of
+    the memory-mapped file, `kvjax.loading.weights_cache`).
     """
     kind, path = _resolve(name_or_path, cache_dir)
     if kind == "hf":
