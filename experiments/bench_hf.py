@@ -2,7 +2,7 @@
 
     python -m experiments.bench_hf [--prompt 512] [--contexts 128 512 1024] [--steps 8]
                                    [--rounds 5] [--hf-threads 2 1] [--wait-idle SECONDS]
-                                   [--out FILE]
+                                   [--out FILE.md] [--json FILE.json]
 
 Both sides run the same weights in f32 at batch 1: kvjax (dense `full` cache, jitted prefill and
 decode step, compile excluded by warm-up, timed through `block_until_ready`) and a
@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -207,7 +209,10 @@ def parse_args(argv=None):
                     help="shared machines: before each round wait (at most this long) until "
                          "other processes use < 0.2 cores, and redo (up to 3x rounds attempts in "
                          "all) rounds during which they used more")
-    ap.add_argument("--out", default=None, help="also write the Markdown table here")
+    ap.add_argument("--out", default=None, help="also write the Markdown table here (and its "
+                    "numbers as JSON beside it: FILE with suffix .json)")
+    ap.add_argument("--json", default=None, help="write the table's numbers as JSON here "
+                    "(default: beside --out)")
     a = ap.parse_args(argv)
     sizes = [*a.contexts, a.prompt, a.steps, a.rounds, *(a.hf_threads or [])]
     if min(sizes) < 1 or a.check_tokens < 2:
@@ -415,7 +420,41 @@ def main(argv=None):
     if a.out:
         with open(a.out, "w") as f:
             f.write(head + table + "\n")
+    json_path = numbers_path(a)
+    if json_path:
+        meta = {"machine": platform.processor() or platform.machine(), "cores": cores,
+                "versions": {"jax": jax.__version__, "torch": torch.__version__,
+                             "transformers": transformers.__version__},
+                "hf_attn": a.hf_attn, "agreement": agree, "discarded_rounds": discarded,
+                "others_busy_cores": others}
+        write_json(json_path, a, variants, med, same, meta)
+        print(f"numbers: {json_path}")
     return rows
+
+
+def numbers_path(a) -> str | None:
+    """Where the JSON goes: --json, else beside the --out table (suffix .json), else nowhere."""
+    return a.json or (a.out and str(Path(a.out).with_suffix(".json")))
+
+
+def write_json(path, a, variants: list[str], med: dict, same: dict, meta: dict) -> dict:
+    """The table's numbers as JSON (for checks): median seconds of every (variant, measure),
+    kvjax's speed-up over each HF variant, the greedy tokens HF matched, the settings."""
+    def measure(m):
+        sec = {v: med[v, m] for v in variants}
+        out = {"seconds": sec, "speedup": {v: sec[v] / sec["kvjax"] for v in variants[1:]}}
+        if m != "prefill":
+            out["same_tokens"] = {v: same[v, m] for v in variants[1:]}
+        return out
+
+    data = {
+        "command": "python -m experiments.bench_hf", "model": a.model, "dtype": "f32",
+        "batch": 1, "prompt": a.prompt, "steps": a.steps, "rounds": a.rounds,
+        "variants": variants, "prefill": {"tokens": a.prompt, **measure("prefill")},
+        "decode": [{"context": n, **measure(n)} for n in a.contexts], **meta,
+    }
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    return data
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def model_identity(model: ModelSpec) -> dict:
         return {"name": TINY, "init_seed": model.init_seed, "overrides": dict(model.overrides),
                 "tokenizer": "char"}
     from kvjax.loading import MODELS, locate
-    from kvjax.loading.hub import FetchError
+    from kvjax.loading.hub import FetchError, file_sha256
 
     try:
         kind, path = locate(model.name)
@@ -183,8 +183,7 @@ def model_identity(model: ModelSpec) -> dict:
         files = [f for f in path.iterdir() if f.is_file() and not f.name.startswith(".")]
         return {"name": f"hf:{_content_sha256(files, path)[:12]}", "format": "hf",
                 "sha256": _content_sha256(files, path), "tokenizer": "tokenizer.json in the dir"}
-    st = path.stat()
-    sha = _file_sha256(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    sha = file_sha256(path)  # a verified registered model's recorded sha256 (no rehash)
     name = next((m.name for m in MODELS.values() if m.sha256 == sha), f"gguf:{sha[:12]}")
     return {"name": name, "format": "gguf", "sha256": sha, "tokenizer": "gguf (in the file)"}
 

@@ -23,7 +23,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, plan, run
 from kvjax.loading.hub import cache_root
 from kvjax.mesh import MeshSpec
-from kvjax.results import ResultsStore, record_failure
+from kvjax.results import ResultsStore, prepare_wandb, record_failure
 from kvjax.tasks import TASKS, get_task
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -192,11 +192,15 @@ def run_dir() -> Path:
 
 
 def set_xla_cache(path: str | None) -> None:
-    """Persist compiled XLA programs across runs (a warm sweep point skips most compiling)."""
+    """Persist compiled XLA programs across runs, every program however small (JAX's default
+    skips those compiled in under a second: a run has ~30 of them, ~1 s in all), so a warm
+    sweep point compiles nothing."""
     if path:
         import jax
 
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def run_log_echo():
@@ -264,6 +268,7 @@ def main(cfg: DictConfig):
         sys.exit(2)
     try:
         set_xla_cache(cfg.xla_cache)
+        prepare_wandb(spec.wandb.mode)
         out = run(planned, run_dir(), echo)
         return objective(out.record or out.existing, cfg.objective.max_cache_bytes,
                          cfg.objective.penalty, echo)

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import tempfile
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -210,6 +211,22 @@ def record_failure(store: ResultsStore, *, key: str, point: dict, sweep: str | N
         "error": f"{type(error).__name__}: {error}",
     }
     return store.append(record)
+
+
+def prepare_wandb(mode: str) -> None:
+    """Import W&B and start its service in a background thread, so the 1-3 s they take overlap
+    the run's model work instead of following it (`log_wandb` then finds them ready). Quiet:
+    any failure shows up, as a warning, when `log_wandb` runs."""
+    if mode == "disabled":
+        return
+
+    def warm():
+        with contextlib.suppress(Exception):
+            import wandb
+
+            wandb.setup()
+
+    threading.Thread(target=warm, name="kvjax-wandb-warmup", daemon=True).start()
 
 
 def log_wandb(record: dict, result, *, mode: str, project: str, entity: str | None,

@@ -67,3 +67,26 @@ def test_flags():
     for bad in (["--steps", "0"], ["--contexts", "0"], ["--hf-threads", "0"]):
         with pytest.raises(SystemExit):
             bench_hf.parse_args(bad)
+
+
+def test_numbers_json_beside_the_table(tmp_path):
+    """The JSON holds the table's medians, kvjax's speed-up over each HF variant (HF seconds /
+    kvjax seconds, as the table's ratio columns) and the tokens HF matched, per measure."""
+    a = bench_hf.parse_args(["--contexts", "128", "1024", "--out", str(tmp_path / "t.md")])
+    assert bench_hf.numbers_path(a) == str(tmp_path / "t.json")
+    assert bench_hf.numbers_path(bench_hf.parse_args(["--json", "x.json"])) == "x.json"
+    assert bench_hf.numbers_path(bench_hf.parse_args([])) is None
+    variants = ["kvjax", "hf2", "hf1"]
+    med = {("kvjax", "prefill"): 0.5, ("hf2", "prefill"): 1.0, ("hf1", "prefill"): 1.5,
+           ("kvjax", 128): 0.02, ("hf2", 128): 0.06, ("hf1", 128): 0.05,
+           ("kvjax", 1024): 0.04, ("hf2", 1024): 0.07, ("hf1", 1024): 0.06}
+    same = {("hf2", 128): 8, ("hf1", 128): 8, ("hf2", 1024): 7, ("hf1", 1024): 8}
+    bench_hf.write_json(bench_hf.numbers_path(a), a, variants, med, same, {"cores": 2})
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["variants"] == variants and data["prompt"] == 512 and data["cores"] == 2
+    assert data["prefill"]["seconds"] == {"kvjax": 0.5, "hf2": 1.0, "hf1": 1.5}
+    assert data["prefill"]["speedup"] == {"hf2": 2.0, "hf1": 3.0}
+    assert [d["context"] for d in data["decode"]] == [128, 1024]
+    assert data["decode"][0]["speedup"]["hf2"] == pytest.approx(3.0)
+    assert data["decode"][1]["speedup"]["hf1"] == pytest.approx(1.5)
+    assert data["decode"][1]["same_tokens"] == {"hf2": 7, "hf1": 8}

@@ -466,6 +466,17 @@ def test_cli_prints_the_table_and_writes_the_run_dir(tmp_path, xla_dir):
     assert {"metrics.json", "nll.npy"} <= {p.name for p in (tmp_path / "run").iterdir()}
     log = (tmp_path / "run" / "run.log").read_text()  # the run's log holds what it printed
     assert "cache bytes (closed form)" in log and "results store:" in log
+    # every program went to the persistent cache, however small (JAX's default keeps only
+    # those compiled in > 1 s), and the same point run again compiles nothing new
+    programs = set(os.listdir(xla_dir))
+    assert len(programs) >= 10
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *TINY, "policy=window", "budget=16", "force=true",
+         f"results={tmp_path}/r.jsonl", f"hydra.run.dir={tmp_path}/run2", f"xla_cache={xla_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        check=False)
+    assert again.returncode == 0, again.stderr
+    assert set(os.listdir(xla_dir)) == programs
     bad = subprocess.run([sys.executable, str(ROOT / "run.py"), "kv_dtype=int3"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert bad.returncode == 2 and "valid choices" in bad.stderr

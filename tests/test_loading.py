@@ -656,3 +656,68 @@ def test_real_model_is_cached_and_verified(smollm):
         path.parent == hub.cache_root() and path.stat().st_size == hub.MODELS["smollm2-135m"].size
     )
     assert (path.parent / (path.name + ".verified")).is_file()
+
+
+# --------------------------------------------------------------------------- dequantized weights cache
+
+
+def _cached_files(root):
+    return sorted((root / "weights").glob("*.safetensors"))
+
+
+def test_weights_cache_equals_a_fresh_dequantization(tmp_path, monkeypatch, capsys):
+    """The first load writes the cache (named by the GGUF's sha256, the dtype and the loader
+    version); later loads map it and give the same config, params and tokenizer as a fresh
+    dequantization. The file is standard safetensors."""
+    from safetensors import safe_open
+
+    from kvjax.loading import load_config, load_tokenizer, weights_cache
+
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "c"))
+    path = write_gguf(tmp_path / "m.gguf", hf_to_gguf(hf_weights(seed=5)), qtype=Q.Q8_0)
+    cfg0, params0 = load_gguf(path)
+    tok0 = load_model(path)[2]
+    files = _cached_files(tmp_path / "c")
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert [f.name for f in files] == [
+        f"{sha[:32]}.f32.{weights_cache.loader_version()}.safetensors"]
+    cfg, params, tok = load_model(path)
+    assert isinstance(params["layers"]["wq"], np.memmap)  # mapped, not dequantized again
+    assert cfg == cfg0 == load_config(path) and cfg.name == "tiny"
+    assert_params_equal(params, params0)
+    text = "hello <|im_start|>12 hello"
+    assert tok.encode(text) == tok0.encode(text) == load_tokenizer(path).encode(text)
+    assert (tok.bos_id, tok.eos_id, tok.chat_template) == (1, 2, None)
+    with safe_open(files[0], framework="np") as st:
+        np.testing.assert_array_equal(st.get_tensor("layers.w_up"), params0["layers"]["w_up"])
+    assert capsys.readouterr().err == ""
+
+    monkeypatch.setattr(weights_cache, "loader_version", lambda: "newloader")
+    load_model(path)  # new loading code: a new file, the stale one removed
+    assert [f.name for f in _cached_files(tmp_path / "c")] == [f"{sha[:32]}.f32.newloader.safetensors"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
+def test_damaged_weights_cache_is_rebuilt(tmp_path, monkeypatch, capsys, damage):
+    """A damaged cache file (a flipped data byte: the CRC; truncated: the size; a garbled
+    header) is reported in one line and rebuilt; the params are still the GGUF's."""
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "c"))
+    path = write_gguf(tmp_path / "m.gguf", hf_to_gguf(hf_weights(seed=6)))
+    _, params0 = load_gguf(path)
+    load_model(path)
+    (f,) = _cached_files(tmp_path / "c")
+    data = bytearray(f.read_bytes())
+    if damage == "flip":
+        data[-5] ^= 0x40
+    elif damage == "truncate":
+        data = data[:-100]
+    else:
+        data[8:20] = b"not json at"
+    f.write_bytes(bytes(data))
+    _, params, _ = load_model(path)
+    assert_params_equal(params, params0)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "are damaged" in lines[0] and "rebuilding them" in lines[0]
+    assert str(f) in lines[0]
+    _, params, _ = load_model(path)  # rebuilt: clean from now on
+    assert isinstance(params["embed"], np.memmap) and capsys.readouterr().err == ""

@@ -4,6 +4,8 @@ On CPU the kernel runs with interpret=True; on a GPU the same tests run compiled
 False there). Shapes are tiny: interpret cost grows with grid steps and compile count.
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,18 +221,71 @@ def test_valid_tokens_and_probs_by_hand():
 # --------------------------------------------------------------------------- CUDA lowering
 
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "int8", "int4"])
-def test_compiled_kernel_lowers_to_triton_for_cuda(kind):
-    """The compiled kernel (interpret=False), with the attention mass, lowers for CUDA on any
-    host: Pallas emits the Triton IR of one custom call (no GPU needed; compiling that IR to
-    PTX, and running it, needs one)."""
-    q, kp, vp, bt, ln = _case(9, kind, 3, 16, [5, 20],
-                              q_dtype=jnp.float32 if kind == "f32" else jnp.bfloat16)
+def _lowering_variants():
+    """Every storage kind x GQA group 1/3/8 x return_mass on/off, with split-K off (1), two
+    splits and the default, page sizes 8/16/64 and q in f32 and bf16 spread over them; then
+    the remaining options one at a time (layer axis, extra/returned lse, a wider block_g, more
+    pages per block, mixed k/v storage, other warps/stages)."""
+    out = []
+    for i, (kind, G, mass) in enumerate(itertools.product(
+            ["f32", "bf16", "int8", "int4"], [1, 3, 8], [True, False])):
+        q_dtype = jnp.float32 if kind == "f32" or i % 4 == 1 else jnp.bfloat16
+        out.append({"kind": kind, "G": G, "mass": mass, "page": (8, 16, 64)[i % 3],
+                    "splits": (1, 2, None)[(i // 3) % 3], "q_dtype": q_dtype})
+    base = {"kind": "int4", "G": 3, "mass": True, "page": 16, "splits": 2, "q_dtype": jnp.bfloat16}
+    for extra in [{"layers": 3}, {"lse": True}, {"block_g": 32}, {"ppb": 8},
+                  {"v_kind": "int8"}, {"kind": "int8", "v_kind": "f32", "q_dtype": jnp.float32},
+                  {"warps": 8, "stages": 3}]:
+        out.append(base | extra)
+    return out
 
-    def run(q, kp, vp, bt, ln):
-        return pa.paged_attention(q, kp, vp, bt, ln, return_mass=True, interpret=False)
 
-    text = jax.jit(run).trace(q, kp, vp, bt, ln).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
+def _variant_id(v):
+    return "-".join(f"{k}={getattr(x, '__name__', x)}" for k, x in v.items())
+
+
+@pytest.mark.parametrize("v", _lowering_variants(), ids=_variant_id)
+def test_compiled_kernel_lowers_to_triton_for_cuda(v):
+    """The compiled kernel (interpret=False) lowers for CUDA on any host, in every variant it
+    has: Pallas emits the Triton IR of one custom call (no GPU needed; compiling that IR to PTX,
+    and running it, needs one). Inputs are abstract (jax.eval_shape), so nothing runs.
+
+    A length of 256 tokens is 4 blocks of 64 tokens at every page size (2 of 128 with
+    ppb=8): 2 splits give a grid of (B, K, 2); the default fills the GPU, capped at one split
+    per block."""
+    page, G, K = v["page"], v["G"], 2
+    lengths = [256, 5]
+
+    def case():
+        q, kp, vp, bt, ln = _case(9, v["kind"], G, page, lengths, K=K, q_dtype=v["q_dtype"])
+        if "v_kind" in v:
+            x = jnp.ones((K, jax.tree.leaves(vp)[0].shape[1], page, E), jnp.float32)
+            vp = _encode(x, v["v_kind"])
+        if "layers" in v:  # [L, K, P, page, X] pages, the layer a traced index
+            kp, vp = jax.tree.map(lambda x: jnp.stack([x] * v["layers"]), (kp, vp))
+        return q, kp, vp, bt, ln
+
+    args = jax.eval_shape(case)
+
+    def run(q, kp, vp, bt, ln, layer):
+        extra = jnp.zeros(q.shape[:2], jnp.float32) if v.get("lse") else None
+        return pa.paged_attention(
+            q, kp, vp, bt, ln, layer=layer if "layers" in v else None, return_mass=v["mass"],
+            num_splits=v["splits"], pages_per_block=v.get("ppb"), block_g=v.get("block_g"),
+            extra_lse=extra, return_lse=v.get("lse", False), num_warps=v.get("warps", 4),
+            num_stages=v.get("stages", 2), interpret=False)
+
+    lowered = jax.jit(run).trace(*args, jnp.int32(1)).lower(lowering_platforms=("cuda",))
+    calls = [line for line in lowered.as_text().splitlines()
+             if "custom_call @__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1
-    assert 'name = "paged_attention_page16_ppb4"' in calls[0]  # 64-token blocks
+    ppb = v.get("ppb") or pa.default_pages_per_block(page)
+    n_blocks = lengths[0] // (ppb * page)
+    splits = min(v["splits"] or n_blocks, n_blocks)
+    assert f'name = "paged_attention_page{page}_ppb{ppb}"' in calls[0]
+    assert f"grid_x = 2 : i32, grid_y = {K} : i32, grid_z = {splits} : i32" in calls[0]
+    assert f"num_warps = {v.get('warps', 4)}" in calls[0]
+    outs = jax.tree.leaves(lowered.out_info)
+    want = [(2, K * G, E)] + [(2, K, 256 // page * page)] * v["mass"] + [(2, K * G)] * v.get(
+        "lse", False)
+    assert [o.shape for o in outs] == want

@@ -16,7 +16,7 @@ from kvjax.experiment import ModelSpec, load
 from kvjax.formats import get_format
 from kvjax.policies import get_policy
 from kvjax.tasks import TASKS, TaskContext, get_task
-from kvjax.tasks.base import bar, chat_frame, contains_answer, nll_chunk
+from kvjax.tasks.base import bar, batched_generate, chat_frame, contains_answer, nll_chunk
 from kvjax.tasks.needle import needle_prompt
 from kvjax.tasks.passkey import KEY, passkey_prompt
 from kvjax.tasks.text import (
@@ -178,6 +178,28 @@ def test_passkey_and_needle_run_with_eviction(tiny):
     grid = res.metrics["grid"]
     assert grid["lengths"] == [300, 400] and grid["depths"] == [0.0, 1.0]
     assert np.asarray(grid["accuracy"]).shape == (2, 2) and len(res.rows) == 4
+
+
+def test_batched_retrieval_equals_one_prompt_at_a_time(tiny):
+    """passkey and needle answer the same, row for row, `batch` prompts per forward or one:
+    rows are right-padded and never see each other (eviction too is per row). Shares its
+    shapes with the tests above (chunk 128, 420 slots, 2 rows; 1 row is new)."""
+    ctx = ctx_for(tiny, "window", max_len=420, budget=64)
+    for task in (get_task("passkey", length=400, n_samples=3, new_tokens=8, chunk=128),
+                 get_task("needle", lengths=[300, 400], depths=[0.0, 1.0], new_tokens=8,
+                          chunk=128)):
+        one = dataclasses.replace(task, batch=1).run(ctx)
+        two = dataclasses.replace(task, batch=2).run(ctx)
+        assert two.rows == one.rows and two.metrics == one.metrics
+    # the random model answers these prompts alike; random prompts of ragged lengths it does not
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(0, tiny.cfg.vocab_size, n)) for n in (100, 57, 128, 80, 9)]
+    (one, _), = batched_generate(ctx, prompts, 6, 128, 1)
+    (two, cache), = batched_generate(ctx, prompts, 6, 128, 2)
+    np.testing.assert_array_equal(two, one)
+    assert len({tuple(t) for t in one}) == 5 and cache.length.shape == (1,)  # last batch: 1 row
+    with pytest.raises(ValueError, match="batch=0"):
+        get_task("needle", batch=0).validate()
 
 
 def test_contains_answer():

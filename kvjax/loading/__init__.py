@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
 from kvjax.config import ModelConfig
-from kvjax.loading.gguf_loader import config_from_gguf, load_gguf, open_gguf
+from kvjax.loading import weights_cache
+from kvjax.loading.gguf_loader import config_from_gguf, load_gguf, metadata, open_gguf
 from kvjax.loading.hf_loader import config_from_hf, is_hf_dir, load_hf_dir
 from kvjax.loading.hub import (
     DEFAULT_MODEL,
     MODELS,
+    cache_root,
     fetch_model,
+    file_sha256,
     get_spec,
     registered_names,
     resolve,
@@ -46,8 +50,14 @@ def load_config(
     kind, path = _resolve(name_or_path, cache_dir)
     if kind == "hf":
         return config_from_hf(json.loads((path / "config.json").read_text()), path.name)
-    name = None if Path(name_or_path).expanduser().is_file() else get_spec(str(name_or_path)).name
-    return config_from_gguf(open_gguf(path), name=name)
+    name = _registered_name(name_or_path)
+    cached = _cached_header(path, name, cache_dir)
+    return cached[0] if cached else config_from_gguf(open_gguf(path), name=name)
+
+
+def _registered_name(name_or_path) -> str | None:
+    """The registry's name for a model named by it; None for a path (the file names it)."""
+    return None if Path(name_or_path).expanduser().is_file() else get_spec(str(name_or_path)).name
 
 
 def _resolve(name_or_path, cache_dir) -> tuple[str, Path]:
@@ -79,12 +89,13 @@ def load_model(
     """(ModelConfig, float32 numpy params, Tokenizer) from a registered name, a .gguf or a HF dir.
 
     Existing paths win over registry names; a registered name is fetched into the cache first.
+    A GGUF's params come from its dequantized-weights cache once it has one (read-only views of
+    the memory-mapped file, `kvjax.loading.weights_cache`).
     """
     kind, path = _resolve(name_or_path, cache_dir)
     if kind == "hf":
         return load_hf_dir(path)
-    name = None if Path(name_or_path).expanduser().is_file() else get_spec(str(name_or_path)).name
-    return _load_gguf_file(path, name=name)
+    return _load_gguf_file(path, _registered_name(name_or_path), cache_dir)
 
 
 def load_tokenizer(
@@ -93,10 +104,52 @@ def load_tokenizer(
     """The tokenizer alone, resolved as `load_model` resolves names (no weights are read): for
     checks that need token counts before a model loads."""
     kind, path = _resolve(name_or_path, cache_dir)
-    return Tokenizer.from_hf_dir(path) if kind == "hf" else Tokenizer.from_gguf(open_gguf(path))
+    if kind == "hf":
+        return Tokenizer.from_hf_dir(path)
+    cached = _cached_header(path, None, cache_dir)
+    return cached[1] if cached else Tokenizer.from_gguf(open_gguf(path))
 
 
-def _load_gguf_file(path: Path, name: str | None) -> tuple[ModelConfig, dict, Tokenizer]:
+def _named(cfg: ModelConfig, name: str | None, path: Path) -> ModelConfig:
+    """The config named as `config_from_gguf` names it: the registry's name, else the file's
+    general.name (stored as the cached config's name, "" when absent), else the file stem."""
+    return dataclasses.replace(cfg, name=name or cfg.name or path.stem)
+
+
+def _cached_header(path: Path, name: str | None, cache_dir) -> tuple[ModelConfig, Tokenizer] | None:
+    """(config, tokenizer) from the GGUF's cached weights file when there is a good one (its
+    header only); None sends the caller to the GGUF (a damaged file is rebuilt, and reported,
+    when the weights load)."""
+    sha = file_sha256(path)
+    cached = weights_cache.weights_path(sha, cache_root(cache_dir))
+    if not cached.is_file():
+        return None
+    try:
+        cfg, tok = weights_cache.read_header(cached, sha)
+    except weights_cache.CorruptWeights:
+        return None
+    return _named(cfg, name, path), tok
+
+
+def _load_gguf_file(path: Path, name: str | None, cache_dir=None
+                    ) -> tuple[ModelConfig, dict, Tokenizer]:
+    """Config, float32 params and tokenizer of a GGUF file, through the dequantized-weights
+    cache (kvjax.loading.weights_cache): memory-mapped when cached, else dequantized and
+    cached for the next load."""
+    sha = file_sha256(path)
+    cached = weights_cache.weights_path(sha, cache_root(cache_dir))
+    if cached.is_file():
+        try:
+            cfg, tok = weights_cache.read_header(cached, sha)
+            return _named(cfg, name, path), weights_cache.read(cached, sha, cfg), tok
+        except weights_cache.CorruptWeights as e:
+            weights_cache.say(f"the cached weights {cached} are damaged ({e}); rebuilding them")
     reader = open_gguf(path)
     cfg, params = load_gguf(reader, name=name)
-    return cfg, params, Tokenizer.from_gguf(reader)
+    tok = Tokenizer.from_gguf(reader)
+    general = metadata(reader, "general.name", None) or ""
+    try:
+        weights_cache.save(cached, dataclasses.replace(cfg, name=general), params, tok, sha)
+    except OSError as e:
+        weights_cache.say(f"could not cache the dequantized weights at {cached}: {e}")
+    return cfg, params, tok

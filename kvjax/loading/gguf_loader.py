@@ -7,6 +7,7 @@ attn_q / attn_k so that its RoPE pairs adjacent dims; we undo that here so every
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -34,10 +35,20 @@ _REQUIRED = object()
 
 
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-    """Open a GGUF file (memory-mapped), turning low-level parse failures into a clear error."""
+    """Open a GGUF file (memory-mapped), turning low-level parse failures into a clear error.
+
+    gguf-py parses the metadata field by field (seconds for a 49k-token vocabulary), so the
+    last readers are kept per (file, size, mtime, inode): a run's config, tokenizer and weights
+    parse it once."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    st = path.stat()
+    return _open_gguf(path.resolve(), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: Path, size: int, mtime_ns: int, ino: int) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(path)
     except Exception as e:

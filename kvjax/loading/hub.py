@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -134,6 +135,29 @@ def _marker_ok(path: Path, sha256: str) -> bool:
     except (OSError, ValueError):
         return False
     return recorded == _stamp(path, sha256)
+
+
+def recorded_sha256(path: Path) -> str | None:
+    """The sha256 a marker beside `path` recorded when it verified the file, if the file is
+    still the one it saw (same size and mtime); else None."""
+    try:
+        recorded = json.loads(_marker_path(path).read_text())
+        return recorded["sha256"] if recorded == _stamp(path, recorded["sha256"]) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _hashed(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_file(Path(path))
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's content: a verified model's recorded one, else hashed (once per
+    process for the same file, size and mtime)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    return recorded_sha256(path) or _hashed(str(path), st.st_size, st.st_mtime_ns)
 
 
 def _manual_steps(spec: ModelSpec, target: Path) -> str:

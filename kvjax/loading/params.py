@@ -33,6 +33,20 @@ GGUF_NAMES = {k: gguf for k, (gguf, _) in TENSOR_NAMES.items()}
 HF_NAMES = {k: hf for k, (_, hf) in TENSOR_NAMES.items()}
 
 
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The shape of every param `assemble_params` builds, as the same two-level dict."""
+    L, D, H, K, E, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                           cfg.d_ff, cfg.vocab_size)
+    layers = {"attn_norm": (D,), "wq": (D, H, E), "wk": (D, K, E), "wv": (D, K, E),
+              "wo": (H, E, D), "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F),
+              "w_down": (F, D)}
+    shapes = {"embed": (V, D), "layers": {k: (L, *s) for k, s in layers.items()},
+              "final_norm": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
 def assemble_params(
     cfg: ModelConfig,
     names: Mapping[str, str],
@@ -66,18 +80,7 @@ def assemble_params(
             )
         return w
 
-    layer_shapes = {
-        "attn_norm": (D,),
-        "wq": (D, H, E),
-        "wk": (D, K, E),
-        "wv": (D, K, E),
-        "wo": (H, E, D),
-        "mlp_norm": (D,),
-        "w_gate": (D, F),
-        "w_up": (D, F),
-        "w_down": (F, D),
-    }
-    layers = {k: np.empty((L, *s), np.float32) for k, s in layer_shapes.items()}
+    layers = {k: np.empty(s, np.float32) for k, s in param_shapes(cfg)["layers"].items()}
     for i in range(L):
         layers["attn_norm"][i] = get("attn_norm", (D,), i)
         layers["wq"][i] = qk(get("wq", (H * E, D), i), H).T.reshape(D, H, E)

@@ -190,6 +190,25 @@ def greedy_generate(ctx: TaskContext, prompts: Sequence[Sequence[int]], new_toke
                          max_len=ctx.max_len, chunk=chunk, layout=ctx.layout, suffixes=suffixes)
 
 
+def batched_generate(ctx: TaskContext, prompts: Sequence[Sequence[int]], new_tokens: int,
+                     chunk: int | None, batch: int, policies=None, suffixes=None,
+                     desc: str | None = None):
+    """`greedy_generate` over `prompts` `batch` rows at a time (a batch's rows of different
+    lengths are right-padded; no row sees another, so each row's answer is the one it gets
+    alone): [(tokens [N, new_tokens] numpy, the last batch's cache)], one per policy. A
+    progress bar over the batches when `desc` is given."""
+    n_policies = 1 if policies is None else len(policies)
+    tokens, caches = [[] for _ in range(n_policies)], [None] * n_policies
+    starts = range(0, len(prompts), batch)
+    for b in starts if desc is None else bar(starts, ctx, desc):
+        rows = slice(b, b + batch)
+        outs = greedy_generate(ctx, prompts[rows], new_tokens, chunk, policies,
+                               None if suffixes is None else suffixes[rows])
+        for p, (out, caches[p]) in enumerate(outs):
+            tokens[p].append(out)
+    return [(np.concatenate(t), c) for t, c in zip(tokens, caches)]
+
+
 def chat_frame(tokenizer) -> tuple[list[int], list[int]]:
     """Ids before and after a user message's content in the model's chat template (with the
     assistant's generation prompt), so prompts can be assembled with exact token counts."""

@@ -4,7 +4,7 @@ The haystack is real prose (the task's text, default kvjax/data/python_docs.txt)
 length and depth, a sentence holding a seeded magic number is inserted at that fraction of
 the haystack (moved back to the nearest sentence end within 64 tokens), inside the model's
 chat template, with the question after it and the answer started as in `passkey`. Each cell
-averages `n_samples` seeded samples; every length runs as one batch (depths x samples).
+averages `n_samples` seeded samples; a length's prompts (depths x samples) run `batch` at a time.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Needle(RetrievalTask):
         for n in self.lengths:
             check_positive(self, length=n)
         check_depths(self, self.depths)
-        self.check_query_aware()
+        self.check_options()
         self.check_new_tokens("number")
 
     def cells(self) -> list[tuple[int, float, int]]:

@@ -4,7 +4,8 @@ Prompts are assembled in token space so each one is exactly `length` tokens: the
 template's user turn holds an instruction, filler sentences with the key sentence at `depth`
 (snapped to a filler-unit boundary), and the question; the assistant turn is started with
 "The pass key is" so a few greedy tokens hold the answer. A sample is correct when the
-decoded answer contains the number. Samples are seeded (seed + sample index).
+decoded answer contains the number. Samples are seeded (seed + sample index) and run `batch`
+at a time.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class Passkey(RetrievalTask):
                        new_tokens=self.new_tokens)
         check_chunk(self, self.chunk)
         check_depths(self, [self.depth])
-        self.check_query_aware()
+        self.check_options()
         self.check_new_tokens("key")
 
     def keys(self, seed: int) -> list[int]:
@@ -94,7 +95,7 @@ class Passkey(RetrievalTask):
         keys = self.keys(ctx.seed)
         prompts = self.prompts(ctx.tokenizer, keys)
         return [self.score(ctx, keys, out, cache) for out, cache in
-                self.generate(ctx, prompts, policies)]
+                self.generate(ctx, prompts, policies, desc=f"passkey ({ctx.policy.name})")]
 
     def score(self, ctx: TaskContext, keys, out, cache) -> TaskResult:
         rows = []

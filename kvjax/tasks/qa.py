@@ -35,11 +35,10 @@ from kvjax.tasks.base import (
     Task,
     TaskContext,
     TaskResult,
-    bar,
+    batched_generate,
     chat_frame,
     check_chunk,
     check_positive,
-    greedy_generate,
     register,
 )
 
@@ -257,25 +256,23 @@ class QA(Task):
         compress = policies[0].mode == "compress"
         if any((p.mode == "compress") != compress for p in policies):
             raise ValueError("task 'qa': run_many needs policies of one mode")
-        rows = [[] for _ in policies]
-        caches = [None] * len(policies)
-        starts = range(0, len(samples), self.batch)
-        for b in bar(starts, ctx, f"qa ({ctx.policy.name})"):
-            batch = parts[b:b + self.batch]
-            if compress:
-                prompts, suffixes = [a for a, _ in batch], [s for _, s in batch]
-            else:
-                prompts, suffixes = [a + s for a, s in batch], None
-            outs = greedy_generate(ctx, prompts, self.max_new_tokens, self.chunk, policies,
-                                   suffixes=suffixes)
-            for p, (out, caches[p]) in enumerate(outs):
-                for s, (pre, post), toks in zip(samples[b:b + self.batch], batch, out):
-                    pred = ctx.tokenizer.decode(until_eos(toks, ctx.tokenizer),
-                                                skip_special_tokens=True)
-                    rows[p].append({"line": s.line, "id": s.id, "category": s.category,
-                                    "prompt_tokens": len(pre) + len(post),
-                                    "prefilled_tokens": len(pre) if compress else len(pre + post),
-                                    "answers": list(s.answers), "output": pred,
-                                    **score_answer(pred, s.answers)})
-        return [TaskResult(metrics=summarize(rows[p], self.scorer), rows=rows[p],
-                           cache=caches[p]) for p in range(len(policies))]
+        if compress:
+            prompts, suffixes = [a for a, _ in parts], [s for _, s in parts]
+        else:
+            prompts, suffixes = [a + s for a, s in parts], None
+        outs = batched_generate(ctx, prompts, self.max_new_tokens, self.chunk, self.batch,
+                                policies, suffixes, desc=f"qa ({ctx.policy.name})")
+        results = []
+        for out, cache in outs:
+            rows = []
+            for s, (pre, post), toks in zip(samples, parts, out):
+                pred = ctx.tokenizer.decode(until_eos(toks, ctx.tokenizer),
+                                            skip_special_tokens=True)
+                rows.append({"line": s.line, "id": s.id, "category": s.category,
+                             "prompt_tokens": len(pre) + len(post),
+                             "prefilled_tokens": len(pre) if compress else len(pre + post),
+                             "answers": list(s.answers), "output": pred,
+                             **score_answer(pred, s.answers)})
+            results.append(TaskResult(metrics=summarize(rows, self.scorer), rows=rows,
+                                      cache=cache))
+        return results

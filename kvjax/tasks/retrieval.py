@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvjax.tasks.base import Task, chat_frame, greedy_generate
+from kvjax.tasks.base import Task, batched_generate, chat_frame, check_positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,22 +31,27 @@ class RetrievalTask(Task):
     question: ClassVar[str] = ""  # the question and the answer's start that end each prompt
     answer: ClassVar[str] = ""
     query_aware: bool = True  # false: the question is fed after a compress-mode selection
+    batch: int = 8  # prompts per forward (the answers are those of one prompt at a time)
 
-    def check_query_aware(self) -> None:
-        if type(self.query_aware) is not bool:  # ValueError: plan reports it before loading
+    def check_options(self) -> None:
+        """`query_aware` a bool, `batch` a positive count (ValueError: plan reports it)."""
+        if type(self.query_aware) is not bool:
             raise ValueError(f"task {self.name!r}: query_aware={self.query_aware!r} must be true "
                              "(the question inside the prompt) or false (fed after the selection)")
+        check_positive(self, batch=self.batch)
 
-    def generate(self, ctx, prompts, policies):
-        """Greedy answers [(tokens, cache)] per policy, the question where `query_aware` puts
-        it: in the prompt, or (compress mode, query_aware=false) fed after the selection."""
+    def generate(self, ctx, prompts, policies, desc: str | None = None):
+        """Greedy answers [(tokens, last batch's cache)] per policy, `batch` prompts at a time,
+        the question where `query_aware` puts it: in the prompt, or (compress mode,
+        query_aware=false) fed after the selection."""
         if self.query_aware or policies[0].mode != "compress":
-            return greedy_generate(ctx, prompts, self.new_tokens, self.chunk, policies)
+            return batched_generate(ctx, prompts, self.new_tokens, self.chunk, self.batch,
+                                    policies, desc=desc)
         if any(p.mode != "compress" for p in policies):
             raise ValueError(f"task {self.name!r}: run_many needs policies of one mode")
         n = len(question_tail(ctx.tokenizer, self.question, self.answer))
-        return greedy_generate(ctx, [p[:-n] for p in prompts], self.new_tokens, self.chunk,
-                               policies, suffixes=[p[-n:] for p in prompts])
+        return batched_generate(ctx, [p[:-n] for p in prompts], self.new_tokens, self.chunk,
+                                self.batch, policies, [p[-n:] for p in prompts], desc=desc)
 
     def check_new_tokens(self, noun: str) -> None:
         """`new_tokens` must leave room for the whole number (digits are single tokens)."""

@@ -1,0 +1,179 @@
+"""Wall time of one sweep point (`python run.py ...`), cold and warm, phase by phase.
+
+    python -m experiments.bench_sweep_point [--warm 3] [--out FILE.md] [-- run.py overrides]
+
+Each run is a fresh `python run.py` process (default overrides: the main job, `policy=lru
+kv_dtype=int4`), timed from outside (wall and CPU seconds of the process). "cold" runs with an
+empty `$KVJAX_CACHE` (no XLA cache, no dequantized weights; the GGUF is linked in, so no
+download), "warm" runs then reuse that cache as a second run on the same machine does. Results
+go to a temporary store (`force=true`; W&B as configured, offline by default, into the run
+directory), so the user's store is untouched.
+
+Inside each process a small wrapper (`--child`) counts JAX's compilation-cache events (hits,
+misses: programs compiled) and times the phases: imports, planning (model header, tokenizer,
+checks), loading the weights, the task, the full-cache baseline, the speed probe, W&B logging,
+and (overlapping those) JAX's tracing + lowering, which no persistent cache skips, and backend
+compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import resource
+import runpy
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAIN_JOB = ["policy=lru", "kv_dtype=int4"]
+PHASES = ["imports", "plan", "load", "task", "baseline", "speed_probe", "wandb", "trace_lower",
+          "backend_compile"]
+
+
+def child(overrides: list[str]) -> None:
+    """Run run.py in this process with phase timers and JAX monitoring; print one JSON line."""
+    t0 = time.perf_counter()
+    from jax import monitoring
+
+    events, durations = collections.Counter(), collections.Counter()
+    monitoring.register_event_listener(lambda e, **_: events.update([e.rsplit("/", 1)[-1]]))
+    monitoring.register_event_duration_secs_listener(
+        lambda e, d, **_: durations.update({e.rsplit("/", 1)[-1]: d}))
+    from kvjax import experiment, harness
+    from kvjax.tasks import TASKS
+
+    phases = collections.Counter({"imports": time.perf_counter() - t0})
+    active: list[str] = []  # phases entered; time counts for the outermost (baseline > task)
+
+    def timed(owner, name, phase):
+        f = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            active.append(phase)
+            try:
+                return f(*a, **k)
+            finally:
+                active.pop()
+                if not active:
+                    phases[phase] += time.perf_counter() - t
+
+        setattr(owner, name, wrapper)
+
+    timed(harness, "plan", "plan")
+    for name, phase in [("load", "load"), ("get_baseline", "baseline"),
+                        ("measure_speed", "speed_probe"), ("log_wandb", "wandb")]:
+        timed(experiment, name, phase)
+    for cls in TASKS.values():
+        timed(cls, "run", "task")
+    sys.argv = ["run.py", *overrides]
+    try:
+        runpy.run_path(str(ROOT / "run.py"), run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    phases["trace_lower"] = durations["jaxpr_trace_duration"] + durations[
+        "jaxpr_to_mlir_module_duration"]
+    phases["backend_compile"] = durations["backend_compile_duration"]
+    print("BENCH " + json.dumps({
+        "phases": dict(phases), "total_in_process": time.perf_counter() - t0,
+        "xla_cache": {"requests": events["compile_requests_use_cache"],
+                      "hits": events["cache_hits"], "misses": events["cache_misses"]},
+    }), flush=True)
+
+
+def one_run(cache: Path, out: Path, overrides: list[str], tag: str) -> dict:
+    env = {**os.environ, "KVJAX_CACHE": str(cache)}
+    cmd = [sys.executable, "-m", "experiments.bench_sweep_point", "--child", "--",
+           *overrides, f"results={out / 'results.jsonl'}", "force=true",
+           f"hydra.run.dir={out / tag}"]
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"{tag} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("BENCH "))
+    rec = json.loads(line[6:])
+    rec |= {"wall_s": wall, "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
+            "load_avg": os.getloadavg()[0]}
+    return rec
+
+
+def fresh_cache(root: Path) -> Path:
+    """An empty cache dir holding only the model file (hard-linked, else copied) + its marker."""
+    from kvjax.loading import fetch_model
+
+    gguf = fetch_model("smollm2-135m")
+    root.mkdir(parents=True)
+    for f in (gguf, gguf.with_name(gguf.name + ".verified")):
+        try:
+            os.link(f, root / f.name)
+        except OSError:
+            shutil.copy2(f, root / f.name)
+    return root
+
+
+def table(runs: dict[str, list[dict]]) -> str:
+    cols = list(runs)
+    med = {c: {k: statistics.median(r[k] for r in runs[c]) for k in ("wall_s", "cpu_s",
+                                                                      "load_avg")} for c in cols}
+    lines = ["| | " + " | ".join(f"{c} ({len(runs[c])} run{'s' * (len(runs[c]) > 1)})"
+                                  for c in cols) + " |", "|---" + "|---:" * len(cols) + "|"]
+    lines.append("| wall | " + " | ".join(f"{med[c]['wall_s']:.1f} s" for c in cols) + " |")
+    lines.append("| CPU (user+sys) | " + " | ".join(f"{med[c]['cpu_s']:.1f} s" for c in cols)
+                 + " |")
+    for p in PHASES:
+        lines.append(f"| {p.replace('_', ' ')} | " + " | ".join(
+            f"{statistics.median(r['phases'].get(p, 0.0) for r in runs[c]):.2f} s" for c in cols)
+            + " |")
+    lines.append("| XLA programs: from the persistent cache / compiled | " + " | ".join(
+        f"{runs[c][-1]['xla_cache']['hits']} / {runs[c][-1]['xla_cache']['misses']}"
+        for c in cols) + " |")
+    lines.append("| load average (1 min) at the end | " + " | ".join(
+        f"{med[c]['load_avg']:.1f}" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--warm", type=int, default=3, help="warm runs after the cold one")
+    ap.add_argument("--out", default=None, help="also write the Markdown table here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="run.py overrides (default: the main job)")
+    a = ap.parse_args(argv)
+    overrides = a.overrides or MAIN_JOB
+    if a.child:
+        return child(overrides)
+    if a.warm < 1:
+        ap.error("--warm must be >= 1")
+    tmp = Path(tempfile.mkdtemp(prefix="kvjax-sweep-point-"))
+    try:
+        cache = fresh_cache(tmp / "cache")
+        runs = {"cold": [one_run(cache, tmp, overrides, "cold")], "warm": []}
+        print(f"cold: {runs['cold'][0]['wall_s']:.1f} s", flush=True)
+        for i in range(a.warm):
+            runs["warm"].append(one_run(cache, tmp, overrides, f"warm{i}"))
+            print(f"warm {i + 1}/{a.warm}: {runs['warm'][-1]['wall_s']:.1f} s", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    text = (f"`python run.py {' '.join(overrides)}`, {os.cpu_count()} cores; medians\n\n"
+            + table(runs))
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+        Path(a.out).with_suffix(".json").write_text(json.dumps(runs, indent=1) + "\n")
+    return runs
+
+
+if __name__ == "__main__":
+    main()
