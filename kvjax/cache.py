@@ -228,7 +228,8 @@ class KVCache:
         """Rows dst [B] bool take a copy of row src's state (a prefill state reused: the dense
         layout cannot share slots, so it copies them). n_tokens must be None or row src's
         length (a dense row's slots cannot be cut at a position in general)."""
-        if n_tokens is not None and int(n_tokens) != int(self.length[src]):
+        traced = any(isinstance(x, jax.core.Tracer) for x in (src, n_tokens, self.length))
+        if n_tokens is not None and not traced and int(n_tokens) != int(self.length[src]):
             raise ValueError(f"share_prefix on the dense layout copies the whole row: "
                              f"n_tokens={n_tokens} must be row {src}'s length "
                              f"{int(self.length[src])} (or None)")

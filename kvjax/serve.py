@@ -183,9 +183,19 @@ class ModelRunner:
 
 
 @jax.jit
-def _allocate(cache, n_valid):
-    """What `forward` does to a cache's allocator: reserve (and evict) and advance."""
-    return cache.begin(n_valid).finish(n_valid)
+def _allocate(cache, idx, n_valid):
+    """What `forward` does to the allocator of rows idx: reserve (and evict) and advance."""
+    return cache.set_rows(idx, cache.rows(idx).begin(n_valid).finish(n_valid))
+
+
+@jax.jit
+def _free(cache, rows):
+    return cache.free(rows)
+
+
+@jax.jit
+def _share(cache, src, dst, n_tokens):
+    return cache.share_prefix(src, dst, n_tokens)
 
 
 class AllocatorRunner:
@@ -195,8 +205,7 @@ class AllocatorRunner:
     compile_s = 0.0
 
     def step(self, cache, tokens, idx, n_valid):
-        sub = _allocate(cache.rows(idx), jnp.asarray(n_valid))
-        return np.zeros(len(idx), np.int32), cache.set_rows(jnp.asarray(idx), sub)
+        return np.zeros(len(idx), np.int32), _allocate(cache, idx, n_valid)
 
 
 # --------------------------------------------------------------------------- the server
@@ -263,7 +272,7 @@ class Server:
         `done` tokens already held, `swapped` pages coming back), or 1 row (dense)."""
         if not self.paged:
             return 1
-        total = done + sum(len(t.tokens) + t.max_new for t in turn.turns())
+        total = done + sum(len(t.tokens) + t.max_new for t in turn.turns()) - (not done)
         shared = len(self.prefixes[turn.prefix]) // self.page if (
             self.prefix_cache and turn.prefix >= 0 and not done) else 0
         cap = self.cache.layout.pages_per_row(self.cache.policy, self.cache.max_len)
@@ -331,16 +340,14 @@ class Server:
     def _start(self, turn: Turn, s: _Session) -> None:
         """Prefill a turn into its session's row and take its first token."""
         tokens = turn.tokens
-        if turn.session == turn.rid and self.prefix_cache and turn.prefix >= 0:
+        if turn.session != turn.rid:  # a follow-up: the last turn's last token goes in first
+            tokens = [s.turn.out[-1]] + tokens
+        elif self.prefix_cache and turn.prefix >= 0:
             pre = self.prefixes[turn.prefix]
-            if tokens[:len(pre)] != pre or len(tokens) <= len(pre):
-                raise ValueError(f"request {turn.rid}: its prompt does not start with prefix "
-                                 f"{turn.prefix} (or holds nothing after it)")
             B = self.cache.length.shape[0]
             dst = np.zeros(B, bool)
             dst[s.row] = True
-            self.cache = self.cache.share_prefix(self.prefix_rows[turn.prefix],
-                                                 jnp.asarray(dst), len(pre))
+            self.cache = _share(self.cache, self.prefix_rows[turn.prefix], dst, len(pre))
             tokens = tokens[len(pre):]
         turn.admitted = self.clock
         turn.prefill_tokens = len(tokens)
@@ -384,6 +391,19 @@ class Server:
         self._start(turn, s)
         return True
 
+    def _admit_arrived(self) -> None:
+        """Admit arrived turns first come, first served; once one waits, later new sessions
+        wait behind it, but follow-ups of existing sessions (which hold a row) may still start."""
+        blocked, waiting = False, []
+        while self.queue and self.queue[0][0] <= self.clock:
+            item = heapq.heappop(self.queue)
+            turn = item[2]
+            if (blocked and turn.session not in self.sessions) or not self._admit(turn):
+                blocked = True
+                waiting.append(item)
+        for item in waiting:
+            heapq.heappush(self.queue, item)
+
     def _after_token(self, s: _Session) -> None:
         """Finish, cancel or pause the session after its turn's latest token."""
         turn = s.turn
@@ -407,7 +427,7 @@ class Server:
         B = self.cache.length.shape[0]
         rows = np.zeros(B, bool)
         rows[s.row] = True
-        self.cache = self.cache.free(jnp.asarray(rows))
+        self.cache = _free(self.cache, rows)
         self.reserved -= s.need
         self.free_rows.append(s.row)
         del self.sessions[s.turn.session]
@@ -467,25 +487,27 @@ class Server:
         self.clock = t0
         self.install_prefixes()
         while self.queue or self.sessions:
-            while self.queue and self.queue[0][0] <= self.clock:
-                if not self._admit(self.queue[0][2]):
-                    break
-                heapq.heappop(self.queue)
+            self._admit_arrived()
             if any(s.idle_since is None for s in self.sessions.values()):
                 self._decode()
-            elif self.queue and self.queue[0][0] > self.clock:
-                self.clock = self.queue[0][0]
-            elif self.queue:
-                raise RuntimeError(
-                    f"request {self.queue[0][2].rid} can never be admitted: it needs "
-                    f"{self.need(self.queue[0][2])} of {self.capacity()} units with "
-                    f"{self.reserved} held by paused sessions (offload_after=None)")
+            else:  # nothing runs: jump to the next arrival or offload
+                events = [a for a, _, _ in self.queue if a > self.clock]
+                if self.offload_after is not None:
+                    events += [s.idle_since + self.offload_after for s in self.sessions.values()
+                               if s.idle_since is not None and s.swapped is None]
+                events = [e for e in events if e > self.clock]
+                if not events and self.queue:
+                    head = self.queue[0][2]
+                    raise RuntimeError(
+                        f"request {head.rid} can never be admitted: it needs {self.need(head)} "
+                        f"of {self.capacity()} units, {self.reserved} held by paused sessions")
+                self.clock = min(events, default=self.clock)
             self._offload_idle()
         makespan = self.clock - t0
         if self.prefix_cache:
             rows = np.zeros(self.cache.length.shape[0], bool)
             rows[self.prefix_rows] = True
-            self.cache = self.cache.free(jnp.asarray(rows))
+            self.cache = _free(self.cache, rows)
         if self.paged:
             pg.check(self.cache.pages)
             left = int(np.sum(np.asarray(self.cache.pages.refcount) > 0))
@@ -501,19 +523,27 @@ class Server:
         return ServeResult(turns, self.steps, stats, self.cache)
 
     def _validate(self, requests) -> None:
+        room = self.capacity()
+        if self.paged and self.prefix_cache and not int(self.cache.length[self.prefix_rows[0]]):
+            room -= sum(pg.cdiv(len(p), self.page) for p in self.prefixes)  # not installed yet
         for r in requests:
             if r.prefix >= len(self.prefixes) or r.prefix < -1:
                 raise ValueError(f"request {r.rid}: prefix={r.prefix} but the server has "
                                  f"{len(self.prefixes)} prefixes")
-            total = sum(len(t.tokens) + t.max_new for t in r.turns())
+            total = sum(len(t.tokens) + t.max_new for t in r.turns()) - 1  # last: not fed
             limit = self.cache.max_len if self.paged else (
                 self.cache.capacity if self.cache.policy.budget is None else None)
             if limit is not None and total > limit:
                 raise ValueError(f"request {r.rid}: its session needs {total} tokens, above "
                                  f"the cache's {limit} per row")
-            if self.need(r) > self.capacity():
-                raise ValueError(f"request {r.rid} needs {self.need(r)} pages, more than the "
-                                 f"pool's {self.capacity()}: build a bigger pool")
+            if self.need(r) > room:
+                unit = "pages" if self.paged else "rows"
+                raise ValueError(f"request {r.rid} needs {self.need(r)} {unit}, more than the "
+                                 f"cache's {room} for requests: build a bigger pool")
+            pre = self.prefixes[r.prefix] if r.prefix >= 0 else []
+            if r.tokens[:len(pre)] != pre or len(r.tokens) <= len(pre):
+                raise ValueError(f"request {r.rid}: its prompt does not start with prefix "
+                                 f"{r.prefix} (or holds nothing after it)")
             for t in r.turns():
                 if not t.tokens or t.max_new < 1:
                     raise ValueError(f"request {t.rid}: a turn needs >= 1 token and "
