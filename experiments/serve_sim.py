@@ -128,6 +128,44 @@ def plot(points, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+HBM_GIB = 141  # one H200
+LINK_GB_S = 50.0  # assumed effective host<->device copy rate (PCIe Gen5 x16 is 64 GB/s nominal)
+SESSION = 4096  # tokens an idle chat session holds
+SYSTEM = 1024  # tokens of a shared system prompt
+SESSIONS = 64
+
+
+def sized_estimate() -> list[str]:
+    """What prefix sharing and host offload save on a GPU, from the caches' abstract shapes
+    (`KVCache.abstract`, `PagedLayout.abstract`; nothing allocated): Llama-3-8B / -70B configs
+    (experiments/scale_table.py), bf16 and int4 (per token) keys and values, pages of 16."""
+    from experiments.scale_table import MODELS
+    from kvjax.cache import KVCache, get_layout
+    from kvjax.formats import get_format
+    from kvjax.policies import get_policy
+
+    full = get_policy("full")
+    lines = [(f"| model | kv | bytes / token (`KVCache.abstract`) | page of 16 (`PagedLayout."
+             f"abstract`) | idle {SESSION}-token session | {SESSIONS} sessions' {SYSTEM}-token "
+             f"system prompt: unshared / shared | idle sessions one {HBM_GIB} GiB HBM holds | "
+             f"swap one back at {LINK_GB_S:.0f} GB/s |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, cfg in MODELS.items():
+        for kv, opts in (("bf16", {}), ("int4", {"key_mode": "token"})):
+            fmt = get_format(kv, **opts)
+            per_tok = KVCache.abstract(cfg, 1, full, fmt, 1024).kv_nbytes() / 1024
+            page = get_layout("paged", page_size=16).abstract(cfg, 1, full, fmt, 1024)
+            page_b = page.pages.page_nbytes()
+            sess = -(-SESSION // 16) * page_b
+            unshared = SESSIONS * -(-SYSTEM // 16) * page_b
+            shared = -(-SYSTEM // 16) * page_b
+            lines.append(
+                f"| {name} | {kv} | {per_tok / 2**10:,.0f} KiB | {page_b / 2**20:.2f} MiB | "
+                f"{sess / 2**30:.2f} GiB | {unshared / 2**30:.1f} / {shared / 2**30:.2f} GiB | "
+                f"{int(HBM_GIB * 2**30 // sess)} | {1e3 * sess / (LINK_GB_S * 1e9):.0f} ms |")
+    return lines
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--policy", default="full")
@@ -152,7 +190,16 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep", default="serve_sim")
     ap.add_argument("--wandb", default="offline")
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--estimate", action="store_true",
+                    help="only the sized GPU estimate (no model run), into --doc if given")
     args = ap.parse_args(argv)
+    if args.estimate:
+        lines = sized_estimate()
+        print("\n".join(lines))
+        if args.doc:
+            replace_between(Path(args.doc), "serve_sim:estimate",
+                            [f"<!-- written by `{command()}` -->", "", *lines])
+        return
     set_xla_cache(str(cache_root() / "xla"))
 
     task = base_task(args)
@@ -186,10 +233,32 @@ def load_curves(run_dir) -> dict | None:
 
 
 def write_doc(path: Path, args, task, points, lines, img) -> None:
-    cmd = "python -m experiments.serve_sim " + " ".join(sys.argv[1:])
-    body = [f"<!-- written by `{cmd}` -->", "", *lines, "", f"![load]({img.relative_to(path.parent)})"]
-    start, end = "<!-- serve_sim:begin -->", "<!-- serve_sim:end -->"
-    text = path.read_text() if path.exists() else f"# Serving\n\n{start}\n{end}\n"
+    """The comparison into `path` between its serve_sim markers (the rest stays)."""
+    body = [f"<!-- written by `{command()}` -->", "", describe(task, points), "", *lines, "",
+            f"![load]({img.relative_to(path.parent)})"]
+    replace_between(path, "serve_sim", body)
+
+
+def command() -> str:
+    return "python -m experiments.serve_sim " + " ".join(sys.argv[1:])
+
+
+def describe(task, points) -> str:
+    """The workload and pool in one sentence."""
+    m = points[0]["record"]["metrics"]
+    return (f"Workload: {task.n_requests} requests at {task.rate:g}/s, prompts "
+            f"{task.prompt_min}-{task.prompt_max} tokens, answers {task.new_min}-"
+            f"{task.new_max} tokens, {task.followup:.0%} follow-up turns (think time mean "
+            f"{task.think_s:g} s), {task.cancel:.0%} cancelled; pool {task.pool_mib:g} MiB of "
+            f"keys and values; paged: page 16, {task.rows} request rows; seed "
+            f"{points[0]['record']['point']['seed']}; {m['turns']} turns served per point.")
+
+
+def replace_between(path: Path, name: str, body: list[str]) -> None:
+    """Put `body` between `<!-- NAME:begin -->` and `<!-- NAME:end -->` in `path` (appended
+    with the markers when absent)."""
+    start, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = path.read_text() if path.exists() else "# Serving\n"
     if start not in text:
         text += f"\n{start}\n{end}\n"
     head, rest = text.split(start, 1)

@@ -190,3 +190,40 @@ def test_bad_server_input_is_refused_before_any_work(model):
     with pytest.raises(ValueError, match="needs 4 pages, more than the cache's 3"):
         Server(AllocatorRunner(), paged).run([Turn(rid=0, arrival=0.0, tokens=[1] * 30,
                                                    max_new=2)])
+
+
+def test_serve_task_workload_and_plan_errors():
+    """The `serve` task's seeded workload (every prompt starts with the static prefix, lengths
+    and outputs in range, follow-ups on their sessions) and its bad settings, refused at plan
+    time with the option named."""
+    from kvjax.experiment import ConfigError, ModelSpec, RunSpec, plan
+    from kvjax.tasks import get_task
+    from kvjax.tasks.serve import static_prefix
+    from kvjax.tasks.text import CharTokenizer
+
+    task = get_task("serve", n_requests=12, prompt_min=340, prompt_max=360, new_min=7,
+                    new_max=9, followup=0.5).resolve(CharTokenizer(64))
+    tok = CharTokenizer(64)
+    reqs, again = task.requests(tok, 3), task.requests(tok, 3)
+    assert [r.tokens for r in reqs] == [r.tokens for r in again]
+    pre = static_prefix(tok)
+    assert all(r.tokens[:len(pre)] == pre and 340 <= len(r.tokens) <= 360 for r in reqs)
+    assert all(7 <= t.max_new <= 9 for r in reqs for t in r.turns())
+    assert sorted(r.arrival for r in reqs) == [r.arrival for r in reqs]
+    assert 0 < sum(r.then is not None for r in reqs) < 12
+    assert task.seq_len() == 360 + 9 + task.followup_tokens + 9
+
+    def spec(**kw):
+        opts = {"n_requests": 2, "prompt_min": 340, "prompt_max": 360, "new_min": 7,
+                "new_max": 9, **kw.pop("task", {})}
+        return RunSpec(task=get_task("serve", **opts), model=ModelSpec("tiny", 0, (
+            ("max_seq_len", 1024),)), results="/nonexistent/r.jsonl", **kw)
+
+    assert plan(spec(cache=(("layout", "paged"),))).key != plan(spec(
+        cache=(("layout", "paged"),), task={"prefix_cache": False})).key
+    with pytest.raises(ValueError, match="new_min=3 cannot hold a 5-digit key"):
+        get_task("serve", new_min=3)
+    with pytest.raises(ValueError, match="followup=1.5 must be in"):
+        get_task("serve", followup=1.5)
+    with pytest.raises(ConfigError, match="too short for the prompt's fixed parts"):
+        plan(spec(task={"prompt_min": 100, "prompt_max": 120}))
