@@ -103,26 +103,30 @@ def table(points) -> list[str]:
 
 
 def plot(points, path: Path) -> None:
-    """Running requests and pages used over the clock, per point."""
+    """Requests decoding and paged pool occupancy over the clock, and accuracy against the
+    most requests decoding at once, per point (one color per point in every panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for pt in points:
-        curves = pt.get("curves")
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    for i, pt in enumerate(points):
+        m, curves, color = pt["record"]["metrics"], pt.get("curves"), f"C{i}"
+        axes[2].scatter(m["peak_active"], m["accuracy"], color=color, label=pt["label"])
         if not curves:
             continue
-        axes[0].step(curves["clock_s"], curves["active"], where="post", label=pt["label"])
-        if pt["record"]["metrics"]["pool_pages"]:
-            used = [u / pt["record"]["metrics"]["pool_pages"] for u in curves["pages_used"]]
-            axes[1].step(curves["clock_s"], used, where="post", label=pt["label"])
+        axes[0].step(curves["clock_s"], curves["active"], where="post", color=color)
+        if m["pool_pages"]:
+            used = [u / m["pool_pages"] for u in curves["pages_used"]]
+            axes[1].step(curves["clock_s"], used, where="post", color=color)
     axes[0].set(xlabel="clock (s, measured step times)", ylabel="requests decoding",
                 title="concurrency at the same pool size")
-    axes[1].set(xlabel="clock (s)", ylabel="pool pages in use (share)",
+    axes[1].set(xlabel="clock (s)", ylabel="share of the pool's pages in use",
                 title="paged pool occupancy")
-    axes[0].legend(fontsize=7)
+    axes[2].set(xlabel="most requests decoding at once", ylabel="passkey accuracy",
+                title="quality vs concurrency", ylim=(-0.05, 1.05))
+    axes[2].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

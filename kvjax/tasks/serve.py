@@ -61,9 +61,9 @@ class Serve(Task):
     n_requests: int = 32
     rate: float = 2.0
     prompt_min: int = 128
-    prompt_max: int = 192
+    prompt_max: int = 160
     new_min: int = 8
-    new_max: int = 16
+    new_max: int = 12
     followup: float = 0.25
     think_s: float = 1.0
     cancel: float = 0.0
