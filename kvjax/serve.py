@@ -84,7 +84,8 @@ def bytes_by_memory(tree) -> dict[str, int]:
 @dataclasses.dataclass
 class Turn:
     """One turn of a session: its tokens (the whole prompt for a first turn, the new user
-    message for a follow-up), the tokens to generate, and what the run records about it."""
+    message for a follow-up), the tokens to generate (always `max_new` greedy tokens: no
+    end-of-turn stop, so a workload is the same for every policy), and what the run records."""
 
     rid: int
     arrival: float  # seconds on the simulated clock (follow-ups: think time after the last)
@@ -190,11 +191,13 @@ def _allocate(cache, idx, n_valid):
 
 @jax.jit
 def _free(cache, rows):
+    """`cache.free(rows)`, compiled (eagerly it is a few dozen small dispatches)."""
     return cache.free(rows)
 
 
 @jax.jit
 def _share(cache, src, dst, n_tokens):
+    """`cache.share_prefix(src, dst, n_tokens)`, compiled."""
     return cache.share_prefix(src, dst, n_tokens)
 
 
@@ -224,8 +227,7 @@ class Server:
     static prefixes when `prefix_cache`). See the module docstring."""
 
     def __init__(self, runner, cache, *, prefixes: Sequence[Sequence[int]] = (),
-                 prefix_cache: bool = True, offload_after: float | None = None,
-                 eos_id: int | None = None):
+                 prefix_cache: bool = True, offload_after: float | None = None):
         self.runner, self.cache = runner, cache
         self.paged = isinstance(cache, PagedCache)
         self.prefixes = [list(p) for p in prefixes]
@@ -241,7 +243,6 @@ class Server:
         self.prefix_rows = list(range(B - n_pre, B))
         self.free_rows = list(range(B - n_pre))
         self.offload_after = offload_after
-        self.eos_id = eos_id
         self.clock = 0.0
         self.sessions: dict[int, _Session] = {}
         self.reserved = 0
@@ -407,8 +408,7 @@ class Server:
     def _after_token(self, s: _Session) -> None:
         """Finish, cancel or pause the session after its turn's latest token."""
         turn = s.turn
-        done = len(turn.out) >= turn.max_new or (self.eos_id is not None
-                                                 and turn.out[-1] == self.eos_id)
+        done = len(turn.out) >= turn.max_new
         if turn.cancel_at is not None and len(turn.out) >= turn.cancel_at and not done:
             turn.cancelled = done = True
             turn.then = None  # the client left: the session ends
