@@ -24,6 +24,8 @@ import dataclasses
 import numpy as np
 
 from kvjax.cache import get_layout
+from kvjax.formats import get_format
+from kvjax.policies import get_policy
 from kvjax.serve import ModelRunner, Server, Turn, percentiles
 from kvjax.tasks.base import Task, TaskContext, TaskResult, chat_frame, check_positive, register
 from kvjax.tasks.passkey import ANSWER, INTRO, passkey_prompt
@@ -136,7 +138,17 @@ class Serve(Task):
         return out
 
     def pool(self, ctx: TaskContext):
-        """(layout, rows) of a pool of `pool_mib` MiB of keys and values."""
+        """(layout, rows) of a pool of `pool_mib` MiB of keys and values (and, for a point the
+        harness compares with a full-cache dense f32 baseline, a check that the baseline fits
+        too, before this point runs)."""
+        if not ctx.is_baseline:
+            base = dataclasses.replace(ctx, policy=get_policy("full"), fmt=get_format("f32"),
+                                       layout=None, is_baseline=True)
+            try:
+                self.pool(base)
+            except ValueError as e:
+                raise ValueError(f"{e} (the full-cache dense f32 baseline serves the same "
+                                 "requests from the same pool)") from None
         layout = ctx.layout or get_layout("dense")
         budget = int(self.pool_mib * 2**20)
         extra = 1 if self.prefix_cache else 0
