@@ -188,6 +188,56 @@ class KVCache:
         """Slots each kv head holds: [L, B, K] int32."""
         return jnp.sum(self.pos >= 0, axis=-1, dtype=jnp.int32)
 
+    # ---- rows (serving: kvjax.serve)
+
+    row_fields: ClassVar[tuple[str, ...]] = ("k", "v", "pos", "stats")  # batch axis 1
+
+    def rows(self, idx) -> KVCache:
+        """The cache of rows idx [b] int32 alone (run `forward` on it, put it back with
+        `set_rows`)."""
+        idx = jnp.asarray(idx, jnp.int32)
+        sub = {f: jax.tree.map(lambda x: x[:, idx], getattr(self, f)) for f in self.row_fields}
+        return self.replace(length=self.length[idx], **sub)
+
+    def set_rows(self, idx, sub) -> KVCache:
+        """This cache with rows idx [b] replaced by `sub` (from `rows`)."""
+        idx = jnp.asarray(idx, jnp.int32)
+        new = {f: jax.tree.map(lambda x, y: x.at[:, idx].set(y), getattr(self, f),
+                               getattr(sub, f)) for f in self.row_fields}
+        return self.replace(length=self.length.at[idx].set(sub.length),
+                            nonfinite=self.nonfinite | sub.nonfinite, **new)
+
+    def free(self, rows) -> KVCache:
+        """End the sequences in rows [B] bool: they become as a fresh cache's rows (empty
+        slots, fresh stores and stats)."""
+        rows = jnp.asarray(rows, bool)
+        L, B, K, C = self.pos.shape
+        E = jax.eval_shape(lambda: self.fmt.read(self.k, 0, "k")).shape[-1]
+
+        def pick(new, old):
+            return jnp.where(rows.reshape((1, B) + (1,) * (old.ndim - 2)), new, old)
+
+        fresh = self.policy.cache_stats(B, K, C)
+        return self.replace(
+            k=jax.tree.map(pick, self.fmt.init((L, B, K, C, E), "k"), self.k),
+            v=jax.tree.map(pick, self.fmt.init((L, B, K, C, E), "v"), self.v),
+            pos=pick(-1, self.pos), length=jnp.where(rows, 0, self.length),
+            stats=jax.tree.map(lambda n, o: pick(n[None], o), fresh, self.stats))
+
+    def share_prefix(self, src, dst, n_tokens=None) -> KVCache:
+        """Rows dst [B] bool take a copy of row src's state (a prefill state reused: the dense
+        layout cannot share slots, so it copies them). n_tokens must be None or row src's
+        length (a dense row's slots cannot be cut at a position in general)."""
+        traced = any(isinstance(x, jax.core.Tracer) for x in (src, n_tokens, self.length))
+        if n_tokens is not None and not traced and int(n_tokens) != int(self.length[src]):
+            raise ValueError(f"share_prefix on the dense layout copies the whole row: "
+                             f"n_tokens={n_tokens} must be row {src}'s length "
+                             f"{int(self.length[src])} (or None)")
+        dst = jnp.asarray(dst, bool)
+        idx = jnp.where(dst, src, jnp.arange(dst.shape[0]))  # [B] row each row copies
+        return self.set_rows(jnp.arange(dst.shape[0]), self.rows(idx)).replace(
+            nonfinite=self.nonfinite)
+
     def layer_view(self, layer) -> LayerView:
         """One layer as the policy and attention see it (k/v dequantized, one layer only)."""
         with jax.named_scope("kv_read"):
@@ -310,6 +360,7 @@ class HeadPool(KVCache):
 
     owner: jax.Array
     n_heads: int = struct.field(pytree_node=False)
+    row_fields: ClassVar[tuple[str, ...]] = ("k", "v", "pos", "stats", "owner")
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None):
@@ -533,6 +584,18 @@ class LayerGroups:
 
     def kv_nbytes(self) -> int:
         return sum(g.kv_nbytes() for g in self.groups)
+
+    def rows(self, idx) -> LayerGroups:
+        return self.join(g.rows(idx) for g in self.groups)
+
+    def set_rows(self, idx, sub) -> LayerGroups:
+        return self.join(g.set_rows(idx, s) for g, s in zip(self.groups, sub.groups))
+
+    def free(self, rows) -> LayerGroups:
+        return self.join(g.free(rows) for g in self.groups)
+
+    def share_prefix(self, src, dst, n_tokens=None) -> LayerGroups:
+        return self.join(g.share_prefix(src, dst, n_tokens) for g in self.groups)
 
     def segments(self):
         return tuple((lo, hi, g) for g, (lo, hi) in zip(self.groups, self.bounds))

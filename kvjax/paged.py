@@ -234,6 +234,32 @@ class PagedCache:
         pages = free(self.pages, rows)
         return self.replace(pages=pages, read_tables=pages.block_tables)
 
+    def rows(self, idx) -> PagedCache:
+        """Rows idx [b] int32 alone, over the whole pool (run `forward` on it, put it back with
+        `set_rows`: a prefill of one request costs its own tokens, not the batch's)."""
+        idx = jnp.asarray(idx, jnp.int32)
+        pg = self.pages
+        pages = pg.replace(block_tables=pg.block_tables[idx], lengths=pg.lengths[idx],
+                           preempted=pg.preempted[idx])
+        return self.replace(pages=pages, read_tables=self.read_tables[idx],
+                            granted=self.granted[idx], cow=self.cow[:, idx])
+
+    def set_rows(self, idx, sub) -> PagedCache:
+        """This cache's rows idx [b] replaced by `sub` (from `rows`), with sub's pool (the
+        newer one: sub's forward allocated from and wrote into it)."""
+        idx = jnp.asarray(idx, jnp.int32)
+        pg, sp = self.pages, sub.pages
+        pages = sp.replace(block_tables=pg.block_tables.at[idx].set(sp.block_tables),
+                           lengths=pg.lengths.at[idx].set(sp.lengths),
+                           preempted=pg.preempted.at[idx].set(sp.preempted))
+        return self.replace(pages=pages, read_tables=self.read_tables.at[idx].set(sub.read_tables),
+                            granted=self.granted.at[idx].set(sub.granted),
+                            cow=self.cow.at[:, idx].set(sub.cow), nonfinite=sub.nonfinite)
+
+    def replace_pages(self, pages: PagedKVCache) -> PagedCache:
+        """This cache over `pages` (e.g. after `kvjax.pages.swap_out` / `swap_in`)."""
+        return self.replace(pages=pages, read_tables=pages.block_tables)
+
     # ---- the protocol `kvjax.model.forward` calls
 
     def _keep(self, lengths):

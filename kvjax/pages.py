@@ -207,6 +207,15 @@ def _check_reserve(cache: PagedKVCache, n_new, keep=None) -> None:
         )
 
 
+def _fresh_ids(cache: PagedKVCache, req):
+    """Free page ids for the table entries req [B, M] (row-major order, ascending ids; P where
+    req is unset or the pool has run out)."""
+    P = cache.num_pages
+    rank = jnp.cumsum(req.reshape(-1)).reshape(req.shape) - 1  # [B, M]
+    free_list = jnp.nonzero(cache.refcount == 0, size=P, fill_value=P)[0]  # [P] ascending
+    return jnp.where(req & (rank < P), free_list[jnp.clip(rank, 0, P - 1)], P)  # [B, M]
+
+
 def reserve(cache: PagedKVCache, n_new, keep=None, defer_copy: bool = False):
     """Allocate pages so row b can take n_new[b] tokens; copy-on-write shared partial pages.
 
@@ -226,9 +235,7 @@ def reserve(cache: PagedKVCache, n_new, keep=None, defer_copy: bool = False):
     n_free = jnp.sum(cache.refcount == 0)
     ok = fits & (jnp.cumsum(count) <= n_free)  # [B] rows served in batch order
     req = req & ok[:, None]
-    rank = jnp.cumsum(req.reshape(-1)).reshape(B, M) - 1  # [B, M]
-    free_list = jnp.nonzero(cache.refcount == 0, size=P, fill_value=P)[0]  # [P] ascending
-    new_ids = jnp.where(req, free_list[jnp.clip(rank, 0, P - 1)], P)  # [B, M], P = none
+    new_ids = _fresh_ids(cache, req)  # [B, M], P = none
 
     old = cache.block_tables
     old_valid = (old >= 0) & (old < P)
@@ -427,6 +434,51 @@ def window_evict(cache: PagedKVCache, window: int, sinks: int = 0, rows=None) ->
     return evict_pages(cache, drop)
 
 
+# --------------------------------------------------------------------------- swapping
+
+
+def swap_out(cache: PagedKVCache, row: int):
+    """Take the pages only `row` holds (refcount 1) out of the pool (eager, on the host side):
+    their table entries become NO_PAGE and the pages return to the pool; pages the row shares
+    (a prefix) stay. The row keeps its length and must not run until `swap_in`. Returns
+    (cache, swapped): swapped = (slots [n] table slots, k, v page stores [L, K, n, page, X])
+    for the caller to keep (e.g. in host memory)."""
+    bt, rc = np.asarray(cache.block_tables[row]), np.asarray(cache.refcount)
+    slots = np.flatnonzero((bt >= 0) & (bt < cache.num_pages))
+    slots = slots[rc[bt[slots]] == 1]
+    ids = jnp.asarray(bt[slots], jnp.int32)
+    k, v = (jax.tree.map(lambda x: x[:, :, ids], s) for s in (cache.k, cache.v))
+    drop = np.zeros(cache.block_tables.shape, bool)
+    drop[row, slots] = True
+    return _release(cache, jnp.asarray(drop)), (slots, k, v)
+
+
+def swap_in(cache: PagedKVCache, row: int, swapped) -> PagedKVCache:
+    """Put pages taken by `swap_out` back into `row` (eager): fresh pages from the pool for its
+    swapped table slots, their contents written back. Raises `OutOfPagesError` when the pool
+    has too few free pages."""
+    slots, k, v = swapped
+    free = int(np.sum(np.asarray(cache.refcount) == 0))
+    if len(slots) > free:
+        raise OutOfPagesError(
+            f"swap_in: row {row} needs {len(slots)} pages back, {free} of {cache.num_pages} are "
+            "free; free or swap out other rows first"
+        )
+    want = np.zeros(cache.block_tables.shape, bool)
+    want[row, slots] = True
+    ids = _fresh_ids(cache, jnp.asarray(want))  # [B, M]
+    new = ids[row, jnp.asarray(slots, jnp.int32)]  # [n]
+
+    def put(store, got):
+        return jax.tree.map(lambda x, g: x.at[:, :, new].set(g.astype(x.dtype)), store, got)
+
+    return cache.replace(
+        k=put(cache.k, k), v=put(cache.v, v),
+        block_tables=jnp.where(want, ids, cache.block_tables),
+        refcount=cache.refcount.at[new].add(1),
+    )
+
+
 # --------------------------------------------------------------------------- host checks
 
 
@@ -505,6 +557,8 @@ __all__ = [
     "page_codecs",
     "reserve",
     "share_prefix",
+    "swap_in",
+    "swap_out",
     "window_evict",
     "window_pages",
     "window_span",

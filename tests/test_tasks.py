@@ -220,7 +220,7 @@ def test_get_task_errors_list_choices():
         get_task("passkey", digits=5, new_tokens=3)
     assert get_task("needle", lengths=[1, 2]).lengths == (1, 2)
     kvjax_tasks = {n for n, c in TASKS.items() if c.__module__.startswith("kvjax.")}
-    assert kvjax_tasks == {"perplexity", "passkey", "needle", "agreement", "qa"}  # experiments
+    assert kvjax_tasks == {"perplexity", "passkey", "needle", "agreement", "qa", "serve"}  # experiments
     # may register more (experiments.reproduce.recompute), only when imported
 
 

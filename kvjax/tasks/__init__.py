@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from kvjax.registry import lookup
-from kvjax.tasks import agreement, needle, passkey, perplexity, qa  # noqa: F401  (registration)
+from kvjax.tasks import agreement, needle, passkey, perplexity, qa, serve  # noqa: F401  (registration)
 from kvjax.tasks.base import TASKS, Task, TaskContext, TaskResult
 
 
