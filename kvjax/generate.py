@@ -12,7 +12,7 @@ import numpy as np
 
 from kvjax.cache import KVCache, LayerView, init_cache
 from kvjax.config import ModelConfig
-from kvjax.mesh import to_host
+from kvjax.mesh import to_numpy
 from kvjax.model import forward
 from kvjax.policies.base import Observers, Policy
 
@@ -103,7 +103,7 @@ def decode(params, cfg: ModelConfig, logits, cache, n: int, *, temperature: floa
         out.append(tok)
         logits, cache = decode_step(params, tok, cache, cfg)
     cache.check_finite()
-    tokens = to_host(jnp.stack(out, axis=1)) if out else np.zeros((len(logits), 0), np.int32)
+    tokens = to_numpy(jnp.stack(out, axis=1)) if out else np.zeros((len(logits), 0), np.int32)
     return tokens, cache
 
 

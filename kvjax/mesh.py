@@ -84,7 +84,7 @@ def init_distributed(coordinator: str, num_processes: int, process_id: int) -> N
                                process_id=process_id)
 
 
-def to_host(x) -> np.ndarray:
+def to_numpy(x) -> np.ndarray:
     """`x` as numpy in this process. An array with shards on other processes' devices (a batch
     split over hosts) is gathered first (`multihost_utils.process_allgather`, a collective:
     every process must call it), so each host reads the whole result."""

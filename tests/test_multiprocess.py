@@ -1,7 +1,7 @@
 """Two local processes, 2 CPU devices each, joined by `jax.distributed` (gloo collectives) into
 one 2 x 2 mesh: a `run.py` point (h2o, budget 32, on the sharded dense cache) run by both is
 recorded once, with one unsharded process's answers. Its batch of 2 prompts is split over the
-hosts, so the decoded tokens are gathered from both processes (`kvjax.mesh.to_host`). (A
+hosts, so the decoded tokens are gathered from both processes (`kvjax.mesh.to_numpy`). (A
 forward-level variant gathering the logits of both processes measured the same equality at
 1e-5; it was dropped for CI time. Perplexity on a mesh equals one device's in test_mesh.py.)"""
 
