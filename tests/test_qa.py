@@ -249,7 +249,7 @@ def test_qa_runs_end_to_end_on_the_tiny_model(tmp_path):
     common = {"model": TINY, "speed": SpeedSpec(0, 0), "results": str(tmp_path / "r.jsonl")}
     prefilled = {}
     for aware in (False, True):
-        spec = RunSpec(task=get_task("qa", file=path, max_new_tokens=4, batch=2,
+        spec = RunSpec(task=get_task("qa", file=path, max_new_tokens=4, batch=3,
                                      query_aware=aware), policy="tova",
                        policy_options=(("mode", "compress"),), ratio=0.5, **common)
         out = experiment.run(spec, tmp_path / f"run{aware}", echo=lambda *a: None)
