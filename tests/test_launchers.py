@@ -1,6 +1,7 @@
 """Hydra launchers and sweepers: submitit_local runs each point as its own job (a subprocess, as
 submitit_slurm runs it as a SLURM job), Ray as a Ray task; every record lands in one store. The
-Optuna sweeper searches under a memory cap. Ray and Optuna are extras (`.[ray]`, `.[optuna]`)."""
+Optuna sweeper searches under a memory cap. Ray is an extra (`.[ray]`, a large install); the
+Optuna sweeper is in `.[dev]`, so its test always runs."""
 
 import importlib.util
 import subprocess
@@ -75,8 +76,6 @@ def test_cluster_launcher_examples_compose(launcher, target, field, value):
     assert (OmegaConf.to_container(got) if not isinstance(got, int) else got) == value
 
 
-@pytest.mark.skipif(not _has("hydra_plugins.hydra_optuna_sweeper"),
-                    reason='the Optuna sweeper is an extra: pip install -e ".[optuna]"')
 def test_optuna_search_under_a_memory_cap_records_every_trial(tmp_path):
     """3 trials of +experiment=optuna_streaming on the tiny model, the search space narrowed on
     the command line: each trial is a recorded point; one over the cap scores the penalty and
