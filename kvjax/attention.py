@@ -53,7 +53,7 @@ def rope(x, positions, theta: float, table=None):
     return out.astype(x.dtype)
 
 
-def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache):
+def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache, cache_empty=False):
     """Causal GQA attention of a chunk over the cache plus the chunk itself.
 
     q:        [B, T, H, E]   queries of the chunk (RoPE applied)
@@ -64,6 +64,8 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache):
               [B, 1, C, E]   one slot pool shared by the K kv heads (per-head budgets), each
                              head seeing only the slots `pos_cache` gives it
     pos_cache:[B, K, C]      position held by each slot for each kv head, -1 = empty/not its own
+    cache_empty: (static) the caller knows every slot is empty (a prompt's first chunk): the
+                 cache is not scored at all. Exact: empty slots get weight exp(-1e30) = 0.
 
     Returns out [B, T, H, E] and probs [B, K, T, C + T]: attention probabilities summed over
     the G query heads of each kv group (cache slots first, then the chunk), zero for padding
@@ -89,6 +91,8 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache):
     vn = jnp.swapaxes(v_new, 1, 2).astype(jnp.float32)  # [B, K, T, E]
     kc = k_cache.astype(jnp.float32)
     vc = v_cache.astype(jnp.float32)
+    if cache_empty:  # score no slot: C = 0 below, zero probs for the slots at the end
+        kc, vc, pos_cache = kc[:, :, :0], vc[:, :, :0], pos_cache[:, :, :0]
     if pooled:
         s_cache = jnp.einsum("BKGTE,BSE->BKGTS", qk, kc[:, 0])  # [B, K, G, T, C]
     else:
@@ -99,7 +103,7 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache):
 
     # (t0, t1): queries t0..t1-1 see the chunk's keys 0..t1-1 only
     blocks = [(t0, min(T, t0 + SELF_BLOCK)) for t0 in range(0, T, SELF_BLOCK)]
-    m_cache = jnp.max(s_cache, axis=-1)  # [B, K, G, T]
+    m_cache = jnp.max(s_cache, axis=-1, initial=MASKED)  # [B, K, G, T]
     s_new = []
     for t0, t1 in blocks:
         s = jnp.einsum("BKGTE,BKSE->BKGTS", qk[:, :, :, t0:t1], kn[:, :, :t1])  # [B,K,G,t,t1]
@@ -123,6 +127,8 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache):
     out = out * inv[..., None]
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, H, E)  # [B, T, H, E]
     p_cache = jnp.sum(e_cache * inv[..., None], axis=2)  # [B, K, T, C]
+    if cache_empty:
+        p_cache = jnp.zeros(p_cache.shape[:3] + k_cache.shape[2:3], p_cache.dtype)
     p_new = jnp.concatenate(
         [jnp.pad(jnp.sum(e * inv[..., t0:t1, None], axis=2), ((0, 0), (0, 0), (0, 0), (0, T - t1)))
          for (t0, t1), e in zip(blocks, e_new)], axis=2)  # [B, K, T, T]
