@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 MASKED = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 SELF_BLOCK = 256  # queries per block of a chunk's attention over itself (longer chunks split)
+FEW_QUERIES = 16  # up to this many query rows per kv head (G·T), cached keys lead the score matmul
 
 
 def rms_norm(x, w, eps: float):
@@ -95,6 +96,9 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache, cache_empty
         kc, vc, pos_cache = kc[:, :, :0], vc[:, :, :0], pos_cache[:, :, :0]
     if pooled:
         s_cache = jnp.einsum("BKGTE,BSE->BKGTS", qk, kc[:, 0])  # [B, K, G, T, C]
+    elif G * T <= FEW_QUERIES:  # decode: the cached keys as the matmul's row-major lhs
+        s_cache = jnp.swapaxes(jnp.einsum("BKSE,BKME->BKSM", kc, qk.reshape(B, K, G * T, E)),
+                               2, 3).reshape(B, K, G, T, -1)  # [B, K, G, T, C]
     else:
         s_cache = jnp.einsum("BKGTE,BKSE->BKGTS", qk, kc)  # [B, K, G, T, C]
     cache_ok = (pos_cache >= 0)[:, :, None, None, :]  # [B, K, 1, 1, C]
