@@ -61,9 +61,12 @@ def test_missing_torch_names_the_install_commands(monkeypatch):
 
 def test_flags():
     a = bench_hf.parse_args([])
-    assert (a.prompt, a.contexts, a.rounds, a.hf_threads) == (512, [128, 512, 1024], 5, None)
+    assert (a.prompt, a.contexts, a.rounds, a.hf_threads) == ([512, 2048], [128, 512, 1024], 5,
+                                                              None)
+    assert a.kv_extra == ["h2o:512:int4"] and bench_hf.json_path("t/hf.md") == "t/hf.json"
     a = bench_hf.parse_args(["--contexts", "64", "--hf-threads", "2"])
     assert a.contexts == [64] and a.hf_threads == [2]
-    for bad in (["--steps", "0"], ["--contexts", "0"], ["--hf-threads", "0"]):
+    for bad in (["--steps", "0"], ["--contexts", "0"], ["--hf-threads", "0"], ["--prompt", "0"],
+                ["--kv-extra", "h2o:x:int4"], ["--kv-extra", "h2o"]):
         with pytest.raises(SystemExit):
             bench_hf.parse_args(bad)
