@@ -102,8 +102,11 @@ def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None, logi
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]  # [D, V]
-    logits = jnp.einsum("BTD,DV->BTV", x, head).astype(jnp.float32)
+    if cfg.tie_embeddings:  # rows of the embedding: no transposed copy of [V, D] per call
+        logits = jnp.einsum("BTD,VD->BTV", x, params["embed"])
+    else:
+        logits = jnp.einsum("BTD,DV->BTV", x, params["lm_head"])
+    logits = logits.astype(jnp.float32)  # [B, T, V]
     return logits, cache.finish(n_valid)
 
 
