@@ -46,6 +46,15 @@ def check_fits(prompt_lens: Sequence[int], max_new_tokens: int, max_len: int) ->
         raise ValueError("every prompt needs at least one token")
 
 
+def is_empty(cache) -> bool:
+    """No row of `cache` holds a token yet (read on the host; False when this process cannot
+    see every row's length, e.g. a cache sharded over several hosts)."""
+    length = cache.length
+    if isinstance(length, jax.Array) and not length.is_fully_addressable:
+        return False
+    return not np.asarray(length).any()
+
+
 def prefill(params, prompts: Sequence[Sequence[int]], cache: KVCache, cfg: ModelConfig,
             chunk: int | None = None):
     """Feed prompts of different lengths (right-padded) in chunks of `chunk` tokens; returns
@@ -66,7 +75,7 @@ def prefill(params, prompts: Sequence[Sequence[int]], cache: KVCache, cfg: Model
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
     # one chunk only: several would compile a second program for the first one
-    fresh = n_chunks == 1 and not np.asarray(cache.length).any()
+    fresh = n_chunks == 1 and is_empty(cache)
     last = None
     for c in range(n_chunks):
         start = c * chunk
