@@ -1,8 +1,8 @@
 """kvjax against HF transformers on the same CPU: prefill time and greedy decode time per token.
 
-    python -m experiments.bench_hf [--prompt 512] [--contexts 128 512 1024] [--steps 8]
+    python -m experiments.bench_hf [--prompt 512 2048] [--contexts 128 512 1024] [--steps 8]
                                    [--rounds 5] [--hf-threads 2 1] [--wait-idle SECONDS]
-                                   [--out FILE.md] [--json FILE.json]
+                                   [--kv-extra h2o:512:int4] [--out FILE]
 
 Both sides run the same weights in f32 at batch 1: kvjax (dense `full` cache, jitted prefill and
 decode step, compile excluded by warm-up, timed through `block_until_ready`) and a
@@ -14,7 +14,10 @@ prompt and over a few cached greedy steps; a disagreement stops the run.
 Measured side by side in one run: every round times each variant once per measure, rotating
 which goes first, and the table gives medians over rounds. "Decode at N" is the mean time per
 token of `--steps` greedy steps (model step + argmax) starting from a cache that holds N tokens;
-kvjax's cache capacity is N + steps, what `generate` allocates for that run.
+kvjax's cache capacity is N + steps, what `generate` allocates for that run. `--kv-extra`
+variants (policy, budget, storage format; kvjax only, e.g. h2o with 512 slots in int4) decode in
+the same rounds from a prompt of N tokens read into that policy's cache. `--out FILE` writes the
+table and, beside it, the medians as JSON (`json_path`).
 
 Threads: JAX's CPU backend runs on every core of this process's CPU affinity; HF is timed with
 `torch.set_num_threads` at that many threads and, as a control, at 1 (`--hf-threads`). On a
@@ -35,7 +38,6 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -194,7 +196,8 @@ def wait_idle(max_wait: float, threshold: float = IDLE_CORES, sample: float = 2.
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--prompt", type=int, default=512, help="prefill prompt length P")
+    ap.add_argument("--prompt", type=int, nargs="+", default=[512, 2048],
+                    help="prefill prompt lengths")
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024],
                     help="tokens in the cache when decode starts")
     ap.add_argument("--steps", type=int, default=8, help="greedy steps per timed decode block")
@@ -209,14 +212,20 @@ def parse_args(argv=None):
                     help="shared machines: before each round wait (at most this long) until "
                          "other processes use < 0.2 cores, and redo (up to 3x rounds attempts in "
                          "all) rounds during which they used more")
-    ap.add_argument("--out", default=None, help="also write the Markdown table here (and its "
-                    "numbers as JSON beside it: FILE with suffix .json)")
-    ap.add_argument("--json", default=None, help="write the table's numbers as JSON here "
-                    "(default: beside --out)")
+    ap.add_argument("--kv-extra", nargs="*", default=["h2o:512:int4"],
+                    metavar="POLICY:BUDGET:FORMAT",
+                    help="kvjax-only decode variants timed in the same rounds")
+    ap.add_argument("--out", default=None,
+                    help="also write the Markdown table here, and its medians as JSON beside it "
+                         "(FILE with .json)")
     a = ap.parse_args(argv)
-    sizes = [*a.contexts, a.prompt, a.steps, a.rounds, *(a.hf_threads or [])]
+    sizes = [*a.contexts, *a.prompt, a.steps, a.rounds, *(a.hf_threads or [])]
     if min(sizes) < 1 or a.check_tokens < 2:
         ap.error("sizes, --steps, --rounds and --hf-threads must be positive, --check-tokens >= 2")
+    for spec in a.kv_extra:
+        parts = spec.split(":")
+        if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) < 1:
+            ap.error(f"--kv-extra {spec!r}: expected POLICY:BUDGET:FORMAT, e.g. h2o:512:int4")
     return a
 
 
@@ -236,7 +245,7 @@ def main(argv=None):
     # transformers 5.2x renamed the cache argument/output `past_key_values` -> `cache`
     ckw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     del np_params
-    n_ids = max(a.prompt, max(a.contexts), a.check_tokens) + a.steps + 1
+    n_ids = max(*a.prompt, *a.contexts, a.check_tokens) + a.steps + 1
     ids = np.asarray(encode_prefix(tokenizer, default_text(), n_ids), np.int64)
     fmt, full = get_format("f32"), get_policy("full")
     key = jax.random.PRNGKey(0)
@@ -276,30 +285,40 @@ def main(argv=None):
     if d_prompt > 1e-2 * max(scale, 1.0) or toks_j != toks_h:
         raise SystemExit("kvjax and HF logits disagree; not timing two different models")
 
-    # ---- kvjax: prefill and per-context decode, compiled before timing
-    def kv_prefill():
-        lg, _ = prefill(params, [ids[: a.prompt].tolist()], kv_cache(a.prompt + a.steps), cfg)
+    # ---- kvjax: prefill and per-context decode, compiled before timing. "kvjax" is the full
+    # f32 cache HF is compared with; each --kv-extra variant (policy, budget, format) is timed
+    # in the same rounds for decode only.
+    kv_setups = {"kvjax": (full, fmt, 0)}  # (policy, format, least max_len)
+    for spec in a.kv_extra:
+        name, budget, form = spec.split(":")
+        kv_setups[f"kvjax {name}/{budget} {form}"] = (get_policy(name, budget=int(budget)),
+                                                      get_format(form), int(budget))
+
+    def kv_prefill(p):
+        lg, _ = prefill(params, [ids[:p].tolist()], kv_cache(p + a.steps), cfg)
         lg.block_until_ready()
 
-    def hf_prefill():
+    def hf_prefill(p):
         with torch.inference_mode():
-            model(input_ids=torch.from_numpy(ids[None, : a.prompt]), use_cache=True,
-                  logits_to_keep=1)
+            model(input_ids=torch.from_numpy(ids[None, :p]), use_cache=True, logits_to_keep=1)
 
     kv_base, hf_base = {}, {}
     t = time.perf_counter()
-    kv_prefill()
+    for p in a.prompt:
+        kv_prefill(p)
     for n in a.contexts:
-        lg, c = prefill(params, [ids[:n].tolist()], kv_cache(n + a.steps), cfg)
-        kv_base[n] = (sample(lg, key), c)
+        for v, (pol, form, least) in kv_setups.items():
+            lg, c = prefill(params, [ids[:n].tolist()],
+                            KVCache.init(cfg, 1, pol, form, max(n + a.steps, least)), cfg)
+            kv_base[v, n] = (sample(lg, key), c)
         with torch.inference_mode():
             out = model(input_ids=torch.from_numpy(ids[None, :n]), use_cache=True,
                         logits_to_keep=1)
         hf_base[n] = (out.logits[:, -1:].argmax(-1), _cache_of(out))
 
-    def kv_decode(n):
+    def kv_decode(v, n):
         """Seconds per greedy token from n cached tokens, and the tokens."""
-        tok, base = kv_base[n]
+        tok, base = kv_base[v, n]
         c = jax.tree.map(jnp.copy, base)  # decode_step donates its cache
         jax.block_until_ready(c)
         toks = []
@@ -325,34 +344,40 @@ def main(argv=None):
         cache.crop(-a.steps)  # drop this block's tokens: back to n for the next round
         return dt, [int(x) for x in toks]
 
-    variants = ["kvjax", *(f"hf{t}" for t in threads)]
+    hf_vars = [f"hf{t}" for t in threads]
+    variants = ["kvjax", *hf_vars, *list(kv_setups)[1:]]
+    measures = [("prefill", p) for p in a.prompt] + [("decode", n) for n in a.contexts]
+
+    def applies(variant, measure) -> bool:
+        return measure[0] == "decode" or variant == "kvjax" or variant in hf_vars
 
     def run(variant, measure):
         """(seconds, greedy tokens or None) of one timed measurement."""
-        if variant == "kvjax":
-            if measure == "prefill":
+        kind, n = measure
+        if variant.startswith("kvjax"):
+            if kind == "prefill":
                 t0 = time.perf_counter()
-                kv_prefill()
+                kv_prefill(n)
                 return time.perf_counter() - t0, None
-            return kv_decode(measure)
+            return kv_decode(variant, n)
         torch.set_num_threads(int(variant[2:]))
-        if measure == "prefill":
+        if kind == "prefill":
             t0 = time.perf_counter()
-            hf_prefill()
+            hf_prefill(n)
             return time.perf_counter() - t0, None
-        return hf_decode(measure)
+        return hf_decode(n)
 
-    for v in variants[1:]:  # warm-up: compiles each capacity's decode step; first torch calls
+    for v in hf_vars:  # warm-up: compiles each capacity's decode step; first torch calls
         for n in a.contexts:
-            run("kvjax", n)
-            run(v, n)
+            for kv in kv_setups:
+                run(kv, ("decode", n))
+            run(v, ("decode", n))
     print(f"set-up (kvjax compiles, context prefills, warm-up): {time.perf_counter() - t:.0f} s",
           flush=True)
 
     # ---- timed rounds; each round rotates which variant goes first
-    measures = ["prefill", *a.contexts]
-    times = {(v, m): [] for v in variants for m in measures}
-    same = {(v, n): a.steps for v in variants[1:] for n in a.contexts}
+    times = {(v, m): [] for v in variants for m in measures if applies(v, m)}
+    same = {(v, n): a.steps for v in hf_vars for n in a.contexts}
     others = []  # cores other processes kept busy during each kept round (None: unknown)
     attempts, discarded = 0, 0
     while len(others) < a.rounds and attempts < 3 * a.rounds:
@@ -366,10 +391,12 @@ def main(argv=None):
         got = {}
         for m in measures:
             for v in order:
-                got[v, m] = run(v, m)
+                if applies(v, m):
+                    got[v, m] = run(v, m)
         busy = probe.others()
-        line = "; ".join(f"{m}: " + " / ".join(f"{v} {got[v, m][0] * 1e3:.0f} ms"
-                                                for v in variants) for m in measures)
+        line = "; ".join(f"{m[0]} {m[1]}: " + " / ".join(
+            f"{v} {got[v, m][0] * 1e3:.0f} ms" for v in variants if (v, m) in got)
+            for m in measures)
         tag = "" if busy is None else f" [others: {busy:.2f} cores]"
         if a.wait_idle and busy is not None and busy >= IDLE_CORES and attempts < 3 * a.rounds:
             discarded += 1
@@ -378,13 +405,14 @@ def main(argv=None):
         others.append(busy)
         for (v, m), (dt, toks) in got.items():
             times[v, m].append(dt)
-            if v != "kvjax" and m != "prefill":
-                same[v, m] = min(same[v, m], sum(x == y for x, y in zip(got["kvjax", m][1], toks)))
+            if v in hf_vars and m[0] == "decode":
+                ref = got["kvjax", m][1]
+                same[v, m[1]] = min(same[v, m[1]], sum(x == y for x, y in zip(ref, toks)))
         print(f"round {r + 1}/{a.rounds}{tag}: {line}", flush=True)
     if len(others) < a.rounds:
         print(f"only {len(others)} of {a.rounds} rounds ran", flush=True)
 
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items() if v}
 
     def cell(sec, n_tok):
         if n_tok > 1:
@@ -393,25 +421,28 @@ def main(argv=None):
 
     rows = []
     for m in measures:
-        if m == "prefill":
-            label, n_tok = f"prefill {a.prompt} tokens", a.prompt
+        kind, n = m
+        if kind == "prefill":
+            label, n_tok = f"prefill {n} tokens", n
         else:
-            worst = min(same[v, m] for v in variants[1:])
-            label = (f"decode at {m} tokens, per token ({a.steps} greedy steps; same tokens "
+            worst = min(same[v, n] for v in hf_vars)
+            label = (f"decode at {n} tokens, per token ({a.steps} greedy steps; same tokens "
                      f"{worst}/{a.steps})")
             n_tok = 1
-        rows.append((label, *(cell(med[v, m], n_tok) for v in variants),
-                     *(f"{med[v, m] / med['kvjax', m]:.2f}x" for v in variants[1:])))
+        rows.append((label, *(cell(med[v, m], n_tok) if (v, m) in med else "—" for v in variants),
+                     *(f"{med[v, m] / med['kvjax', m]:.2f}x" for v in hf_vars)))
     hf_cols = [f"HF, {t} thread{'s' * (t > 1)}" for t in threads]
+    load = ("" if None in others or not others else
+            f"; other processes kept {min(others):.2f}-{max(others):.2f} of the {cores} cores "
+            f"busy during the rounds (median {statistics.median(others):.2f})")
     head = (f"machine: {platform.processor() or platform.machine()}, {cores} core(s) "
             f"(JAX CPU backend uses all of them), jax {jax.__version__}, torch {torch.__version__}"
-            f", transformers {transformers.__version__} (attn {a.hf_attn}); f32, batch 1; "
-            f"medians of {len(others)} interleaved rounds"
+            f", transformers {transformers.__version__} (attn {a.hf_attn}); f32 weights, batch 1;"
+            f" medians of {len(others)} interleaved rounds"
             + (f" ({discarded} more discarded: other processes busy)" if discarded else "")
-            + ("" if None in others else f"; other processes kept {min(others):.2f}-"
-               f"{max(others):.2f} of the {cores} cores busy during the rounds (median "
-               f"{statistics.median(others):.2f})") + f"\nagreement: {agree}\n\n")
-    table = ("| measure | kvjax | " + " | ".join(hf_cols) + " | "
+            + load + f"\nagreement: {agree}\n\n")
+    extra = list(kv_setups)[1:]
+    table = ("| measure | kvjax | " + " | ".join(hf_cols + extra) + " | "
              + " | ".join(f"kvjax speed / {c}" for c in hf_cols) + " |\n|---"
              + "|---:" * (len(variants) + len(threads)) + "|\n"
              + "\n".join("| " + " | ".join(r) + " |" for r in rows))
@@ -420,41 +451,33 @@ def main(argv=None):
     if a.out:
         with open(a.out, "w") as f:
             f.write(head + table + "\n")
-    json_path = numbers_path(a)
-    if json_path:
-        meta = {"machine": platform.processor() or platform.machine(), "cores": cores,
-                "versions": {"jax": jax.__version__, "torch": torch.__version__,
-                             "transformers": transformers.__version__},
-                "hf_attn": a.hf_attn, "agreement": agree, "discarded_rounds": discarded,
-                "others_busy_cores": others}
-        write_json(json_path, a, variants, med, same, meta)
-        print(f"numbers: {json_path}")
+        write_json(json_path(a.out), {
+            "machine": head.split("\n")[0], "agreement": agree, "rounds": len(others),
+            "discarded": discarded, "other_cores": others, "steps": a.steps,
+            "variants": variants, "rows": records(measures, variants, hf_vars, med)})
     return rows
 
 
-def numbers_path(a) -> str | None:
-    """Where the JSON goes: --json, else beside the --out table (suffix .json), else nowhere."""
-    return a.json or (a.out and str(Path(a.out).with_suffix(".json")))
+def records(measures, variants, hf_vars, med) -> list[dict]:
+    """Per measure (("prefill", tokens) or ("decode", context)): the median seconds of every
+    variant that ran it and kvjax's speed-up over each HF variant (HF seconds / kvjax seconds,
+    the table's ratio columns)."""
+    return [{"measure": kind, "tokens": n,
+             "seconds": {v: med[v, (kind, n)] for v in variants if (v, (kind, n)) in med},
+             "speedup_vs": {v: med[v, (kind, n)] / med["kvjax", (kind, n)] for v in hf_vars}}
+            for kind, n in measures]
 
 
-def write_json(path, a, variants: list[str], med: dict, same: dict, meta: dict) -> dict:
-    """The table's numbers as JSON (for checks): median seconds of every (variant, measure),
-    kvjax's speed-up over each HF variant, the greedy tokens HF matched, the settings."""
-    def measure(m):
-        sec = {v: med[v, m] for v in variants}
-        out = {"seconds": sec, "speedup": {v: sec[v] / sec["kvjax"] for v in variants[1:]}}
-        if m != "prefill":
-            out["same_tokens"] = {v: same[v, m] for v in variants[1:]}
-        return out
+def write_json(path: str, summary: dict) -> None:
+    """The table's numbers (medians per variant and measure, kvjax's speed-up over each HF
+    variant as the ratio columns) as JSON, for checks."""
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
 
-    data = {
-        "command": "python -m experiments.bench_hf", "model": a.model, "dtype": "f32",
-        "batch": 1, "prompt": a.prompt, "steps": a.steps, "rounds": a.rounds,
-        "variants": variants, "prefill": {"tokens": a.prompt, **measure("prefill")},
-        "decode": [{"context": n, **measure(n)} for n in a.contexts], **meta,
-    }
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
-    return data
+
+def json_path(out: str) -> str:
+    """Where `--out FILE` also writes the medians as JSON (for checks): FILE with .json."""
+    return os.path.splitext(out)[0] + ".json"
 
 
 if __name__ == "__main__":

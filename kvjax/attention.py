@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 
 MASKED = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
+SELF_BLOCK = 256  # queries per block of a chunk's attention over itself (longer chunks split)
+FEW_QUERIES = 16  # up to this many query rows per kv head (G·T), cached keys lead the score matmul
 
 
 def rms_norm(x, w, eps: float):
@@ -52,51 +54,86 @@ def rope(x, positions, theta: float, table=None):
     return out.astype(x.dtype)
 
 
-def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache):
+def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache, cache_empty=False):
     """Causal GQA attention of a chunk over the cache plus the chunk itself.
 
     q:        [B, T, H, E]   queries of the chunk (RoPE applied)
     k_new:    [B, T, K, E]   the chunk's keys (RoPE applied), v_new likewise
-    pos_new:  [B, T]         absolute positions of the chunk, -1 = padding
+    pos_new:  [B, T]         absolute positions of the chunk, -1 = padding (real tokens in
+                             increasing order, padding after them, as `forward` builds them)
     k_cache:  [B, K, C, E]   dequantized cached keys of this layer, v_cache likewise; or
               [B, 1, C, E]   one slot pool shared by the K kv heads (per-head budgets), each
                              head seeing only the slots `pos_cache` gives it
     pos_cache:[B, K, C]      position held by each slot for each kv head, -1 = empty/not its own
+    cache_empty: (static) the caller knows every slot is empty (a prompt's first chunk): the
+                 cache is not scored at all. Exact: empty slots get weight exp(-1e30) = 0.
 
     Returns out [B, T, H, E] and probs [B, K, T, C + T]: attention probabilities summed over
     the G query heads of each kv group (cache slots first, then the chunk), zero for padding
     queries, which is what importance policies consume.
+
+    Layout (measured on XLA:CPU, docs/benchmarks.md): every product is a batched matmul over
+    leading [B, K] axes with the contraction last ([B, K, G·T, E] x [B, K, S, E]); the cache
+    and chunk scores are never concatenated (one softmax over both parts, normalized after the
+    value product); the chunk's own scores are computed per block of queries against the keys
+    up to that block only (keys after a query are always masked), which halves the self
+    attention of a long chunk.
     """
     B, T, H, E = q.shape
     K = k_new.shape[2]
     G = H // K
-    qg = q.reshape(B, T, K, G, E).astype(jnp.float32) * (E**-0.5)  # [B, T, K, G, E]
     if k_cache.shape[1] not in (1, K):
         raise ValueError(f"cached keys have {k_cache.shape[1]} heads; expected {K} (per head) "
                          "or 1 (a slot pool shared by the kv heads)")
     pooled = k_cache.shape[1] != K  # a shared slot pool: no copy per kv head
+    qk = jnp.transpose(q.reshape(B, T, K, G, E), (0, 2, 3, 1, 4)).astype(jnp.float32)
+    qk = qk * (E**-0.5)  # [B, K, G, T, E]
+    kn = jnp.swapaxes(k_new, 1, 2).astype(jnp.float32)  # [B, K, T, E]
+    vn = jnp.swapaxes(v_new, 1, 2).astype(jnp.float32)  # [B, K, T, E]
     kc = k_cache.astype(jnp.float32)
-    if pooled:
-        s_cache = jnp.einsum("BTKGE,BSE->BKGTS", qg, kc[:, 0])  # [B, K, G, T, C]
-    else:
-        s_cache = jnp.einsum("BTKGE,BKSE->BKGTS", qg, kc)  # [B, K, G, T, C]
-    s_new = jnp.einsum("BTKGE,BSKE->BKGTS", qg, k_new.astype(jnp.float32))  # [B, K, G, T, T]
-
-    q_valid = pos_new >= 0  # [B, T]
-    cache_ok = (pos_cache >= 0)[:, :, None, None, :]  # [B, K, 1, 1, C]
-    causal = (pos_new[:, None, :] <= pos_new[:, :, None]) & (pos_new[:, None, :] >= 0)  # [B, T, T]
-    new_ok = causal[:, None, None, :, :]  # [B, 1, 1, T, T]
-    s_cache = jnp.where(cache_ok, s_cache, MASKED)
-    s_new = jnp.where(new_ok, s_new, MASKED)
-
-    s = jnp.concatenate([s_cache, s_new], axis=-1)  # [B, K, G, T, C + T]
-    p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(q_valid[:, None, None, :, None], p, 0.0)
-    C = k_cache.shape[2]
     vc = v_cache.astype(jnp.float32)
+    if cache_empty:  # score no slot: C = 0 below, zero probs for the slots at the end
+        kc, vc, pos_cache = kc[:, :, :0], vc[:, :, :0], pos_cache[:, :, :0]
     if pooled:
-        out = jnp.einsum("BKGTS,BSE->BTKGE", p[..., :C], vc[:, 0])  # [B, T, K, G, E]
+        s_cache = jnp.einsum("BKGTE,BSE->BKGTS", qk, kc[:, 0])  # [B, K, G, T, C]
+    elif G * T <= FEW_QUERIES:  # decode: the cached keys as the matmul's row-major lhs
+        s_cache = jnp.swapaxes(jnp.einsum("BKSE,BKME->BKSM", kc, qk.reshape(B, K, G * T, E)),
+                               2, 3).reshape(B, K, G, T, -1)  # [B, K, G, T, C]
     else:
-        out = jnp.einsum("BKGTS,BKSE->BTKGE", p[..., :C], vc)  # [B, T, K, G, E]
-    out = out + jnp.einsum("BKGTS,BSKE->BTKGE", p[..., C:], v_new.astype(jnp.float32))
-    return out.reshape(B, T, H, E).astype(q.dtype), p.sum(axis=2)  # [B, T, H, E], [B, K, T, C+T]
+        s_cache = jnp.einsum("BKGTE,BKSE->BKGTS", qk, kc)  # [B, K, G, T, C]
+    cache_ok = (pos_cache >= 0)[:, :, None, None, :]  # [B, K, 1, 1, C]
+    s_cache = jnp.where(cache_ok, s_cache, MASKED)
+    q_valid = (pos_new >= 0)[:, None, None, :]  # [B, 1, 1, T]
+
+    # (t0, t1): queries t0..t1-1 see the chunk's keys 0..t1-1 only
+    blocks = [(t0, min(T, t0 + SELF_BLOCK)) for t0 in range(0, T, SELF_BLOCK)]
+    m_cache = jnp.max(s_cache, axis=-1, initial=MASKED)  # [B, K, G, T]
+    s_new = []
+    for t0, t1 in blocks:
+        s = jnp.einsum("BKGTE,BKSE->BKGTS", qk[:, :, :, t0:t1], kn[:, :, :t1])  # [B,K,G,t,t1]
+        pq, pk = pos_new[:, t0:t1], pos_new[:, :t1]
+        ok = (pk[:, None, :] <= pq[:, :, None]) & (pk[:, None, :] >= 0)  # [B, t, t1]
+        s_new.append(jnp.where(ok[:, None, None], s, MASKED))
+    m = jnp.concatenate([jnp.maximum(m_cache[..., t0:t1], jnp.max(s, axis=-1))
+                         for (t0, t1), s in zip(blocks, s_new)], axis=-1)  # [B, K, G, T]
+    e_cache = jnp.exp(s_cache - m[..., None])  # [B, K, G, T, C]
+    e_new = [jnp.exp(s - m[..., t0:t1, None]) for (t0, t1), s in zip(blocks, s_new)]
+    denom = jnp.sum(e_cache, axis=-1) + jnp.concatenate(
+        [jnp.sum(e, axis=-1) for e in e_new], axis=-1)  # [B, K, G, T]
+    inv = jnp.where(q_valid, 1.0 / denom, 0.0)  # [B, K, G, T] zero for padding queries
+    if pooled:
+        out = jnp.einsum("BKGTS,BSE->BKGTE", e_cache, vc[:, 0])  # [B, K, G, T, E]
+    else:
+        out = jnp.einsum("BKGTS,BKSE->BKGTE", e_cache, vc)  # [B, K, G, T, E]
+    out = out + jnp.concatenate(
+        [jnp.einsum("BKGTS,BKSE->BKGTE", e, vn[:, :, :t1]) for (t0, t1), e in zip(blocks, e_new)],
+        axis=3)
+    out = out * inv[..., None]
+    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, H, E)  # [B, T, H, E]
+    p_cache = jnp.sum(e_cache * inv[..., None], axis=2)  # [B, K, T, C]
+    if cache_empty:
+        p_cache = jnp.zeros(p_cache.shape[:3] + k_cache.shape[2:3], p_cache.dtype)
+    p_new = jnp.concatenate(
+        [jnp.pad(jnp.sum(e * inv[..., t0:t1, None], axis=2), ((0, 0), (0, 0), (0, 0), (0, T - t1)))
+         for (t0, t1), e in zip(blocks, e_new)], axis=2)  # [B, K, T, T]
+    return out.astype(q.dtype), jnp.concatenate([p_cache, p_new], axis=-1)  # [B, K, T, C + T]

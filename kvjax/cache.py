@@ -19,7 +19,7 @@ impl="pallas")` builds a `kvjax.paged.PagedCache` (a page pool with block tables
 
     cache = cache.begin(n_valid)                           # once per call (paged: reserve pages)
     per layer, read-only scan:
-        view = cache.layer_view(layer)
+        view = cache.layer_view(layer, fresh)  # fresh (static): no token cached yet
         out, probs = cache.attend(view, q, k, v, pos_new, rope_theta)   # q, k unrotated
         update = cache.update(view, k, v, pos_new, probs, rope_theta)   # what to store
     per layer, write-only scan:
@@ -56,6 +56,8 @@ class LayerView:
     stats: Any  # this policy's per-layer stats pytree, leaves [B, K, C, ...]
     length: jax.Array  # [B] tokens seen before this chunk
     owner: Any = None  # head pool only ([B, 1, P] kv head of each pool slot); else None
+    # static: every slot is known to be empty (a prompt's first chunk): attention skips them
+    empty: bool = dataclasses.field(default=False, metadata={"static": True})
 
 
 def pool_entries(pos_new, K: int, dtype=jnp.int32):
@@ -238,8 +240,9 @@ class KVCache:
         return self.set_rows(jnp.arange(dst.shape[0]), self.rows(idx)).replace(
             nonfinite=self.nonfinite)
 
-    def layer_view(self, layer) -> LayerView:
-        """One layer as the policy and attention see it (k/v dequantized, one layer only)."""
+    def layer_view(self, layer, empty: bool = False) -> LayerView:
+        """One layer as the policy and attention see it (k/v dequantized, one layer only).
+        empty (static): the caller knows no slot holds a token yet; attention skips them."""
         with jax.named_scope("kv_read"):
             return LayerView(
                 k=self.fmt.read(self.k, layer, "k"),  # [B, K, C, E]
@@ -247,6 +250,7 @@ class KVCache:
                 pos=self.pos[layer],  # [B, K, C]
                 stats=jax.tree.map(lambda s: s[layer], self.stats),
                 length=self.length,
+                empty=empty,
             )
 
     def write(self, layer, slots, k_new, v_new, pos_new, stats) -> KVCache:
@@ -319,7 +323,7 @@ class KVCache:
             k_cached = rope(view.k, key_pos, rope_theta, table)
         else:
             k_cached = view.k
-        return attention(q, k, v, pos_new, k_cached, view.v, view.pos)
+        return attention(q, k, v, pos_new, k_cached, view.v, view.pos, view.empty)
 
     def update(self, view: LayerView, k, v, pos_new, probs, rope_theta: float):
         """The policy's placement of the chunk: (slots, keys to store, values, stats)."""
@@ -435,8 +439,8 @@ class HeadPool(KVCache):
         mine = self.owner[..., None] == jnp.arange(self.n_heads)  # [L, B, 1, P, K]
         return jnp.sum(mine & (self.pos >= 0)[..., None], axis=(2, 3), dtype=jnp.int32)
 
-    def layer_view(self, layer) -> LayerView:
-        view = super().layer_view(layer)  # k, v [B, 1, P, E]; pos [B, 1, P]
+    def layer_view(self, layer, empty: bool = False) -> LayerView:
+        view = super().layer_view(layer, empty)  # k, v [B, 1, P, E]; pos [B, 1, P]
         return dataclasses.replace(view, owner=self.owner[layer])
 
     def attend(self, view: LayerView, q, k, v, pos_new, rope_theta: float):

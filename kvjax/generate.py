@@ -17,12 +17,14 @@ from kvjax.model import forward
 from kvjax.policies.base import Observers, Policy
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def prefill_chunk(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid, last_idx):
+@functools.partial(jax.jit, static_argnames=("cfg", "fresh"), donate_argnames=("cache",))
+def prefill_chunk(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid, last_idx,
+                  fresh: bool = False):
     """One prompt chunk: tokens [B, T] (right-padded, n_valid [B] real), returns the logits at
-    index last_idx [B] of each row ([B, V]) and the new cache."""
+    index last_idx [B] of each row ([B, V]) and the new cache. fresh: the cache is known to be
+    empty (`forward`)."""
     at = jnp.clip(last_idx, 0, tokens.shape[1] - 1).astype(jnp.int32)
-    logits, cache = forward(params, tokens, cache, cfg, n_valid, logits_at=at)
+    logits, cache = forward(params, tokens, cache, cfg, n_valid, logits_at=at, fresh=fresh)
     return logits[:, 0], cache
 
 
@@ -45,6 +47,15 @@ def check_fits(prompt_lens: Sequence[int], max_new_tokens: int, max_len: int) ->
         raise ValueError("every prompt needs at least one token")
 
 
+def is_empty(cache) -> bool:
+    """No row of `cache` holds a token yet (read on the host; False when this process cannot
+    see every row's length, e.g. a cache sharded over several hosts)."""
+    length = cache.length
+    if isinstance(length, jax.Array) and not length.is_fully_addressable:
+        return False
+    return not np.asarray(length).any()
+
+
 def prefill(params, prompts: Sequence[Sequence[int]], cache: KVCache, cfg: ModelConfig,
             chunk: int | None = None):
     """Feed prompts of different lengths (right-padded) in chunks of `chunk` tokens; returns
@@ -53,7 +64,8 @@ def prefill(params, prompts: Sequence[Sequence[int]], cache: KVCache, cfg: Model
 
     chunk=None feeds each prompt in one forward: every policy sees the whole prompt's attention
     before it evicts (docs/policies.md); a smaller chunk evicts at every chunk boundary. Every
-    chunk has the same shape, so the step compiles once.
+    chunk has the same shape, so the step compiles once. A prompt read in one chunk into an
+    empty cache skips scoring the cache's empty slots (`forward(fresh=True)`).
     """
     lens = np.array([len(p) for p in prompts], np.int32)
     chunk = int(lens.max()) if chunk is None else int(chunk)
@@ -63,12 +75,14 @@ def prefill(params, prompts: Sequence[Sequence[int]], cache: KVCache, cfg: Model
     toks = np.zeros((len(prompts), n_chunks * chunk), np.int32)
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
+    # one chunk only: several would compile a second program for the first one
+    fresh = n_chunks == 1 and is_empty(cache)
     last = None
     for c in range(n_chunks):
         start = c * chunk
         n_valid = np.clip(lens - start, 0, chunk)
         lg, cache = prefill_chunk(params, jnp.asarray(toks[:, start:start + chunk]), cache, cfg,
-                                  jnp.asarray(n_valid), jnp.asarray(lens - 1 - start))
+                                  jnp.asarray(n_valid), jnp.asarray(lens - 1 - start), fresh)
         ends_here = jnp.asarray((lens - 1 >= start) & (lens - 1 < start + chunk))[:, None]
         last = lg if last is None else jnp.where(ends_here, lg, last)
     return last, cache

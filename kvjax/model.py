@@ -42,13 +42,13 @@ def to_device(params, dtype=jnp.float32):
     return jax.tree.map(lambda x: jnp.asarray(np.asarray(x), dtype), params)
 
 
-def _layer(cfg: ModelConfig, lp, x, pos_new, cache: KVCache, layer):
+def _layer(cfg: ModelConfig, lp, x, pos_new, cache: KVCache, layer, fresh: bool):
     """One decoder layer over a chunk: the new residual stream and what to store where."""
     h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)  # [B, T, D]
     q = jnp.einsum("BTD,DHE->BTHE", h, lp["wq"])  # [B, T, H, E]
     k = jnp.einsum("BTD,DKE->BTKE", h, lp["wk"])  # [B, T, K, E]
     v = jnp.einsum("BTD,DKE->BTKE", h, lp["wv"])  # [B, T, K, E]
-    view = cache.layer_view(layer)
+    view = cache.layer_view(layer, fresh)
     with jax.named_scope("attention"):  # RoPE at the cache's positions, then attention
         out, probs = cache.attend(view, q, k, v, pos_new, cfg.rope_theta)  # [B, T, H, E]
     with jax.named_scope("policy"):
@@ -60,13 +60,17 @@ def _layer(cfg: ModelConfig, lp, x, pos_new, cache: KVCache, layer):
     return x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"]), write
 
 
-def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None, logits_at=None):
+def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None, logits_at=None,
+            fresh: bool = False):
     """Run a chunk through the model, attending over the cache, and store it through the policy.
 
     tokens: [B, T] int32; n_valid: [B] real tokens per row (the rest is right padding, never
     stored; default all T). Returns logits [B, T, V] (f32) and the new cache; with logits_at
     [B] (an index into T per row), only those logits, [B, 1, V]: prefill needs one position,
     and the [T, D] x [D, V] head is most of a chunk's work with a large vocabulary.
+    fresh (static): the caller knows the cache holds no token yet (`prefill` checks lengths),
+    so attention does not score its empty slots (the same result, without work that grows
+    with the capacity).
     """
     B, T = tokens.shape
     t = jnp.arange(T, dtype=jnp.int32)
@@ -84,7 +88,7 @@ def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None, logi
 
         def body(x, layer, seg=seg, lo=lo):
             lp = jax.tree.map(lambda a: a[layer], params["layers"])
-            return _layer(cfg, lp, x, pos_new, seg, layer - lo)
+            return _layer(cfg, lp, x, pos_new, seg, layer - lo, fresh)
 
         x, writes = jax.lax.scan(body, x, jnp.arange(lo, hi, dtype=jnp.int32))
 
@@ -98,10 +102,13 @@ def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None, logi
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]  # [D, V]
-    logits = jnp.einsum("BTD,DV->BTV", x, head).astype(jnp.float32)
+    if cfg.tie_embeddings:  # rows of the embedding: no transposed copy of [V, D] per call
+        logits = jnp.einsum("BTD,VD->BTV", x, params["embed"])
+    else:
+        logits = jnp.einsum("BTD,DV->BTV", x, params["lm_head"])
+    logits = logits.astype(jnp.float32)  # [B, T, V]
     return logits, cache.finish(n_valid)
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg",))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "fresh"))
 forward_jit.__doc__ = "`forward` compiled once per (cfg, shapes); the cache is not donated."

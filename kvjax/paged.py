@@ -287,7 +287,8 @@ class PagedCache:
             cow=jnp.stack([src, dst]),
         )
 
-    def layer_view(self, layer) -> PagedView:
+    def layer_view(self, layer, empty: bool = False) -> PagedView:
+        """`empty` (a dense cache skips its slots) is not used: pages are read by length."""
         return PagedView(layer=layer)
 
     def _shift(self):

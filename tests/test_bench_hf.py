@@ -61,32 +61,34 @@ def test_missing_torch_names_the_install_commands(monkeypatch):
 
 def test_flags():
     a = bench_hf.parse_args([])
-    assert (a.prompt, a.contexts, a.rounds, a.hf_threads) == (512, [128, 512, 1024], 5, None)
+    assert (a.prompt, a.contexts, a.rounds, a.hf_threads) == ([512, 2048], [128, 512, 1024], 5,
+                                                              None)
+    assert a.kv_extra == ["h2o:512:int4"] and bench_hf.json_path("t/hf.md") == "t/hf.json"
     a = bench_hf.parse_args(["--contexts", "64", "--hf-threads", "2"])
     assert a.contexts == [64] and a.hf_threads == [2]
-    for bad in (["--steps", "0"], ["--contexts", "0"], ["--hf-threads", "0"]):
+    for bad in (["--steps", "0"], ["--contexts", "0"], ["--hf-threads", "0"], ["--prompt", "0"],
+                ["--kv-extra", "h2o:x:int4"], ["--kv-extra", "h2o"]):
         with pytest.raises(SystemExit):
             bench_hf.parse_args(bad)
 
 
 def test_numbers_json_beside_the_table(tmp_path):
-    """The JSON holds the table's medians, kvjax's speed-up over each HF variant (HF seconds /
-    kvjax seconds, as the table's ratio columns) and the tokens HF matched, per measure."""
-    a = bench_hf.parse_args(["--contexts", "128", "1024", "--out", str(tmp_path / "t.md")])
-    assert bench_hf.numbers_path(a) == str(tmp_path / "t.json")
-    assert bench_hf.numbers_path(bench_hf.parse_args(["--json", "x.json"])) == "x.json"
-    assert bench_hf.numbers_path(bench_hf.parse_args([])) is None
-    variants = ["kvjax", "hf2", "hf1"]
-    med = {("kvjax", "prefill"): 0.5, ("hf2", "prefill"): 1.0, ("hf1", "prefill"): 1.5,
-           ("kvjax", 128): 0.02, ("hf2", 128): 0.06, ("hf1", 128): 0.05,
-           ("kvjax", 1024): 0.04, ("hf2", 1024): 0.07, ("hf1", 1024): 0.06}
-    same = {("hf2", 128): 8, ("hf1", 128): 8, ("hf2", 1024): 7, ("hf1", 1024): 8}
-    bench_hf.write_json(bench_hf.numbers_path(a), a, variants, med, same, {"cores": 2})
+    """The JSON beside `--out` holds the table's medians and kvjax's speed-up over each HF
+    variant (HF seconds / kvjax seconds, as the table's ratio columns), per measure; a
+    kvjax-only variant (--kv-extra) has seconds and no ratio."""
+    variants, hf = ["kvjax", "hf2", "hf1", "h2o:512:int4"], ["hf2", "hf1"]
+    measures = [("prefill", 512), ("decode", 128), ("decode", 1024)]
+    med = {("kvjax", measures[0]): 0.5, ("hf2", measures[0]): 1.0, ("hf1", measures[0]): 1.5,
+           ("kvjax", measures[1]): 0.02, ("hf2", measures[1]): 0.06, ("hf1", measures[1]): 0.05,
+           ("h2o:512:int4", measures[1]): 0.03, ("kvjax", measures[2]): 0.04,
+           ("hf2", measures[2]): 0.07, ("hf1", measures[2]): 0.06}
+    path = bench_hf.json_path(str(tmp_path / "t.md"))
+    bench_hf.write_json(path, {"variants": variants,
+                               "rows": bench_hf.records(measures, variants, hf, med)})
     data = json.loads((tmp_path / "t.json").read_text())
-    assert data["variants"] == variants and data["prompt"] == 512 and data["cores"] == 2
-    assert data["prefill"]["seconds"] == {"kvjax": 0.5, "hf2": 1.0, "hf1": 1.5}
-    assert data["prefill"]["speedup"] == {"hf2": 2.0, "hf1": 3.0}
-    assert [d["context"] for d in data["decode"]] == [128, 1024]
-    assert data["decode"][0]["speedup"]["hf2"] == pytest.approx(3.0)
-    assert data["decode"][1]["speedup"]["hf1"] == pytest.approx(1.5)
-    assert data["decode"][1]["same_tokens"] == {"hf2": 7, "hf1": 8}
+    rows = {(r["measure"], r["tokens"]): r for r in data["rows"]}
+    assert rows["prefill", 512]["seconds"] == {"kvjax": 0.5, "hf2": 1.0, "hf1": 1.5}
+    assert rows["prefill", 512]["speedup_vs"] == {"hf2": 2.0, "hf1": 3.0}
+    assert rows["decode", 128]["seconds"]["h2o:512:int4"] == 0.03
+    assert rows["decode", 128]["speedup_vs"]["hf2"] == pytest.approx(3.0)
+    assert rows["decode", 1024]["speedup_vs"] == pytest.approx({"hf2": 1.75, "hf1": 1.5})

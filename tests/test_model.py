@@ -173,3 +173,70 @@ def test_rope_by_table_equals_rope():
     np.testing.assert_allclose(out[:3], rope(x[0, 0, :3], edge[:3], 1e4)[:3].at[0].set(
         x[0, 0, 0]), atol=1e-6, rtol=0)  # -1 reads position 0 (the identity rotation)
     assert np.isnan(out[3]).all()  # past the table: NaN, never a wrong rotation
+
+
+def np_attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache):
+    """`kvjax.attention.attention` in NumPy with explicit loops: out [B, T, H, E] and probs
+    [B, K, T, C + T] summed over each kv group's query heads (zero for padding queries)."""
+    q, k_new, v_new, k_cache, v_cache = (np.asarray(a, np.float64)
+                                         for a in (q, k_new, v_new, k_cache, v_cache))
+    pos_new, pos_cache = np.asarray(pos_new), np.asarray(pos_cache)
+    B, T, H, E = q.shape
+    K, C = k_cache.shape[1], k_cache.shape[2]
+    out, probs = np.zeros_like(q), np.zeros((B, K, T, C + T))
+    for b in range(B):
+        for h in range(H):
+            kv = h // (H // K)
+            keys = np.concatenate([k_cache[b, kv], k_new[b, :, kv]])  # [C + T, E]
+            vals = np.concatenate([v_cache[b, kv], v_new[b, :, kv]])
+            for t in range(T):
+                if pos_new[b, t] < 0:
+                    continue
+                ok = np.concatenate([pos_cache[b, kv] >= 0,
+                                     (pos_new[b] >= 0) & (pos_new[b] <= pos_new[b, t])])
+                s = np.where(ok, keys @ q[b, t, h] / np.sqrt(E), -np.inf)
+                w = np.exp(s - s.max())
+                w /= w.sum()
+                out[b, t, h] = w @ vals
+                probs[b, kv, t] += w
+    return out, probs
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_attention_blocks_and_empty_cache_equal_numpy(monkeypatch, empty):
+    """The chunk's self attention split into query blocks (3 blocks of 4, the last partial),
+    ragged padding, a cache with empty slots, GQA: out and probs equal a NumPy loop. With every
+    slot empty, `cache_empty=True` (the first prompt chunk) gives the same out and probs."""
+    import kvjax.attention as attn
+
+    monkeypatch.setattr(attn, "SELF_BLOCK", 4)
+    B, T, H, K, C, E = 2, 10, 6, 2, 5, 8
+    r = np.random.default_rng(0)
+    q, kn, vn = (r.normal(size=s).astype(np.float32) for s in ((B, T, H, E), (B, T, K, E),
+                                                                (B, T, K, E)))
+    kc, vc = r.normal(size=(2, B, K, C, E)).astype(np.float32)
+    pos_cache = np.where(r.random((B, K, C)) < 0.6, r.integers(0, 7, (B, K, C)), -1)
+    if empty:
+        pos_cache[:] = -1
+    start = np.asarray([7, 0])[:, None]
+    pos_new = np.where(np.arange(T)[None] < np.asarray([10, 6])[:, None], start + np.arange(T), -1)
+    want_out, want_p = np_attention(q, kn, vn, pos_new, kc, vc, pos_cache)
+    for skip in [False, True] if empty else [False]:
+        out, p = jax.jit(attn.attention, static_argnums=7)(q, kn, vn, jnp.asarray(pos_new), kc, vc,
+                                                            jnp.asarray(pos_cache), skip)
+        np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(p, want_p, atol=1e-6, rtol=0)
+
+
+def test_fresh_prefill_equals_scoring_the_empty_cache():
+    """`forward(fresh=True)` (no scoring of an empty cache's slots) gives the logits and the
+    cache of the ordinary forward, also under a policy that evicts by the prompt's attention."""
+    cfg, p = _model("gqa")
+    ids = _ids(cfg, 2, 20)
+    n_valid = jnp.asarray([20, 13], jnp.int32)
+    for policy in (FULL, get_policy("h2o", budget=12, window=4)):
+        outs = [forward(p, ids, KVCache.init(cfg, 2, policy, F32, 32), cfg, n_valid, fresh=f)
+                for f in (False, True)]
+        np.testing.assert_allclose(outs[1][0], outs[0][0], atol=1e-6, rtol=0)
+        for a, b in zip(jax.tree.leaves(outs[0][1]), jax.tree.leaves(outs[1][1])):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
