@@ -49,8 +49,12 @@ from kvjax.paged import PagedCache
 
 def host_memory_kind(device=None) -> str | None:
     """The device's host memory kind ("pinned_host", else "unpinned_host"), or None when the
-    backend exposes none (then host copies are numpy arrays)."""
+    backend exposes none or is the CPU, whose "host" memory kinds are the same RAM (then host
+    copies are numpy arrays; a CI worker segfaulted once after moving pages through CPU
+    `pinned_host`, which numpy copies avoid)."""
     device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return None
     kinds = {m.kind for m in device.addressable_memories()}
     return next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
 
