@@ -92,6 +92,20 @@ def spec(task, *, name: str, args, policy: str = "full", **kw) -> RunSpec:
                    wandb=WandbSpec(mode=args.wandb), progress=False, force=args.force, **kw)
 
 
+def fraction_points(prefix: str, task, fractions, labels, table: dict, budget, **kw):
+    """Points `{prefix}{f}/{label}`: for each cache fraction f of the task's length and each
+    policy label, the table's policy (label -> (description, policy, options given the
+    budget)) at `budget(f, task.length)` slots; `kw` as for `spec`."""
+    pts = []
+    for f in fractions:
+        b = budget(f, task.length)
+        for lab in labels:
+            _, pol, opts = table[lab]
+            pts.append((f"{prefix}{f}/{lab}", spec(task, policy=pol, budget=b,
+                                                   policy_options=opts(b), **kw)))
+    return pts
+
+
 def _no_speed():
     from kvjax.experiment import SpeedSpec
 

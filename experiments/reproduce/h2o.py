@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from experiments.reproduce.common import Reproduction, float_list, spec
+from experiments.reproduce.common import Reproduction, float_list, fraction_points, spec
 from kvjax.tasks.agreement import Agreement
 from kvjax.tasks.perplexity import Perplexity
 
@@ -73,12 +73,8 @@ class H2O(Reproduction):
         pts = []
         for tname, task in self.tasks(args):
             pts.append((f"{tname}/full", spec(task, **kw)))
-            for f in args.fractions:
-                b = budget(f, task.length)
-                for lab in args.policies:
-                    _, pol, opts = POLICIES[lab]
-                    pts.append((f"{tname}/{f}/{lab}", spec(task, policy=pol, budget=b,
-                                                           policy_options=opts(b), **kw)))
+            pts += fraction_points(f"{tname}/", task, args.fractions, args.policies, POLICIES,
+                                   budget, **kw)
         return pts
 
     def check(self, done, extra):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from experiments.reproduce.common import Reproduction, float_list, spec
+from experiments.reproduce.common import Reproduction, float_list, fraction_points, spec
 from kvjax.tasks.perplexity import Perplexity
 
 POLICIES = {  # label -> (description, policy, its options given the budget)
@@ -70,14 +70,8 @@ class TOVA(Reproduction):
                              if bad else "tova: --policies must include tova")
         task = Perplexity(length=args.length, chunk=args.chunk)
         kw = {"name": self.name, "args": args}
-        pts = [("full", spec(task, **kw))]
-        for f in args.fractions:
-            b = budget(f, args.length)
-            for lab in args.policies:
-                _, pol, opts = POLICIES[lab]
-                pts.append((f"{f}/{lab}", spec(task, policy=pol, budget=b,
-                                               policy_options=opts(b), **kw)))
-        return pts
+        return [("full", spec(task, **kw)),
+                *fraction_points("", task, args.fractions, args.policies, POLICIES, budget, **kw)]
 
     def check(self, done, extra):
         """At the largest budget measured TOVA beats the sliding window by a clear margin on
