@@ -116,12 +116,17 @@ def _named(cfg: ModelConfig, name: str | None, path: Path) -> ModelConfig:
     return dataclasses.replace(cfg, name=name or cfg.name or path.stem)
 
 
+def _weights_file(path: Path, cache_dir) -> tuple[str, Path]:
+    """(the GGUF's sha256, where its dequantized-weights cache file lives)."""
+    sha = file_sha256(path)
+    return sha, weights_cache.weights_path(sha, cache_root(cache_dir))
+
+
 def _cached_header(path: Path, name: str | None, cache_dir) -> tuple[ModelConfig, Tokenizer] | None:
     """(config, tokenizer) from the GGUF's cached weights file when there is a good one (its
     header only); None sends the caller to the GGUF (a damaged file is rebuilt, and reported,
     when the weights load)."""
-    sha = file_sha256(path)
-    cached = weights_cache.weights_path(sha, cache_root(cache_dir))
+    sha, cached = _weights_file(path, cache_dir)
     if not cached.is_file():
         return None
     try:
@@ -136,8 +141,7 @@ def _load_gguf_file(path: Path, name: str | None, cache_dir=None
     """Config, float32 params and tokenizer of a GGUF file, through the dequantized-weights
     cache (kvjax.loading.weights_cache): memory-mapped when cached, else dequantized and
     cached for the next load."""
-    sha = file_sha256(path)
-    cached = weights_cache.weights_path(sha, cache_root(cache_dir))
+    sha, cached = _weights_file(path, cache_dir)
     if cached.is_file():
         try:
             cfg, tok = weights_cache.read_header(cached, sha)
