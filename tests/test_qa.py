@@ -107,6 +107,8 @@ def test_settings_errors(tmp_path):
         get_task("qa", file=write(tmp_path, [GOOD]), scorer="bleu")
     with pytest.raises(ValueError, match="has no samples"):
         get_task("qa", file=write(tmp_path, [b"\n"], "empty.jsonl"))
+    with pytest.raises(ValueError, match="query_aware='no' must be true"):
+        get_task("qa", file=write(tmp_path, [GOOD]), query_aware="no")
 
 
 def test_point_key_is_the_file_content_not_its_path(tmp_path):

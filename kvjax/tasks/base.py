@@ -113,6 +113,14 @@ def check_positive(task: Task, **values) -> None:
             raise ValueError(f"task {task.name!r}: {k}={v!r} must be a positive integer")
 
 
+def check_query_aware(task: Task) -> None:
+    """`query_aware` must be a bool: the question inside the prompt, or fed after a
+    compress-mode selection (retrieval tasks and qa share the option)."""
+    if type(task.query_aware) is not bool:
+        raise ValueError(f"task {task.name!r}: query_aware={task.query_aware!r} must be true "
+                         "(the question inside the prompt) or false (fed after the selection)")
+
+
 def check_chunk(task: Task, chunk) -> None:
     """A prefill chunk: a positive token count, or None for the whole prompt at once."""
     if chunk is not None:

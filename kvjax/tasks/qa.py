@@ -39,6 +39,7 @@ from kvjax.tasks.base import (
     chat_frame,
     check_chunk,
     check_positive,
+    check_query_aware,
     register,
 )
 
@@ -205,6 +206,7 @@ class QA(Task):
                              f"{list(REQUIRED)}, optional {list(OPTIONAL)})")
         check_positive(self, max_new_tokens=self.max_new_tokens, batch=self.batch)
         check_chunk(self, self.chunk)
+        check_query_aware(self)
         if self.prompt_tokens is not None:
             check_positive(self, prompt_tokens=self.prompt_tokens)
         if self.scorer not in SCORERS:

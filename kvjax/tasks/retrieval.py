@@ -17,7 +17,13 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvjax.tasks.base import Task, batched_generate, chat_frame, check_positive
+from kvjax.tasks.base import (
+    Task,
+    batched_generate,
+    chat_frame,
+    check_positive,
+    check_query_aware,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +41,7 @@ class RetrievalTask(Task):
 
     def check_options(self) -> None:
         """`query_aware` a bool, `batch` a positive count (ValueError: plan reports it)."""
-        if type(self.query_aware) is not bool:
-            raise ValueError(f"task {self.name!r}: query_aware={self.query_aware!r} must be true "
-                             "(the question inside the prompt) or false (fed after the selection)")
+        check_query_aware(self)
         check_positive(self, batch=self.batch)
 
     def generate(self, ctx, prompts, policies, desc: str | None = None):
