@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import sys
+import threading
 import types
 import typing
 from pathlib import Path
@@ -25,6 +27,7 @@ from kvjax.loading.hub import cache_root
 from kvjax.mesh import MeshSpec
 from kvjax.results import ResultsStore, prepare_wandb, record_failure
 from kvjax.tasks import TASKS, get_task
+from kvjax.tasks.base import INTERRUPTED, on_sigint
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -266,6 +269,11 @@ def main(cfg: DictConfig):
     except ConfigError as e:
         echo(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    handler = None  # Ctrl-C is never lost (`on_sigint`); an ignored SIGINT stays ignored
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        INTERRUPTED.clear()
+        handler = signal.signal(signal.SIGINT, on_sigint)
     try:
         set_xla_cache(cfg.xla_cache)
         prepare_wandb(spec.wandb.mode)
@@ -283,3 +291,6 @@ def main(cfg: DictConfig):
         record_failure(ResultsStore(spec.results), key=planned.key, point=planned.point,
                        sweep=spec.sweep, error=e, run_dir=run_dir())
         raise
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)

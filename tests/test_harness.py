@@ -340,6 +340,41 @@ def test_ctrl_c_is_one_line_records_nothing_and_keeps_the_store(tmp_path, monkey
     assert store.read_bytes() == before
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run(tmp_path, monkeypatch, capsys):
+    """Python raises a SIGINT's KeyboardInterrupt at whatever bytecode runs next; inside a
+    finalizer it is only printed and the run went on to the end. The run now stops at the
+    task's next step, status 130, nothing recorded, and its SIGINT handler is undone."""
+    from tqdm.auto import tqdm
+
+    from kvjax.tasks import base
+
+    class Finalized:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+
+    class Bar(tqdm):
+        def __iter__(self):
+            for i, item in enumerate(super().__iter__()):
+                if i == 1:  # of 4 chunks
+                    Finalized()  # its __del__ runs (and swallows the interrupt) right here
+                yield item
+
+    monkeypatch.setattr(base, "tqdm", Bar)
+    store = tmp_path / "r.jsonl"
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        with pytest.raises(SystemExit) as e:
+            harness.main(cfg_of(*TINY, f"results={store}"))
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    assert e.value.code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "interrupted: this point was not recorded; the results store is intact")
+    assert not store.exists()
+
+
 def test_ctrl_c_during_a_run_py_task(tmp_path):
     """SIGINT while the task streams (its progress bar is on screen): one line, status 130."""
     store = tmp_path / "r.jsonl"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -136,10 +137,28 @@ def check_depths(task: Task, depths: Sequence[float]) -> None:
         )
 
 
+INTERRUPTED = threading.Event()
+
+
+def on_sigint(signum, frame):
+    """SIGINT handler (run.py installs it): remembered, then raised as KeyboardInterrupt.
+    Remembered because Python raises it at whatever bytecode runs next, which can be a
+    finalizer or a weakref callback that only prints it ("Exception ignored in ...") and goes
+    on; `bar` then raises it again at the task's next step."""
+    INTERRUPTED.set()
+    raise KeyboardInterrupt
+
+
 def bar(iterable, ctx: TaskContext, desc: str, total: int | None = None):
-    """tqdm over `iterable`, quiet unless attached to a terminal (or forced by ctx.progress)."""
+    """tqdm over `iterable`, quiet unless attached to a terminal (or forced by ctx.progress);
+    stops with KeyboardInterrupt at the next item once a SIGINT came (`on_sigint`)."""
     disable = None if ctx.progress is None else not ctx.progress
-    return tqdm(iterable, desc=desc, total=total, disable=disable, leave=False, dynamic_ncols=True)
+    with tqdm(iterable, desc=desc, total=total, disable=disable, leave=False,
+              dynamic_ncols=True) as items:
+        for item in items:
+            if INTERRUPTED.is_set():
+                raise KeyboardInterrupt
+            yield item
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
