@@ -14,9 +14,10 @@ import pytest
 
 DATA = Path(__file__).parent / "data"
 
-# No persistent compilation cache in the tests: XLA:CPU executables loaded back from it have
-# open crash reports upstream (jax-ml/jax#28908), and twice with it on a worker crashed in a
-# jitted step of test_serve (not reproduced in isolation). The landing CI gained nothing from
+# No persistent compilation cache in the tests: twice with it on, a worker crashed (SIGSEGV)
+# inside JAX's cache read, in `backend.deserialize_executable` of a small jitted step of
+# test_serve (faulthandler's trace), never reproduced in isolation; loading XLA:CPU executables
+# back has open crash reports upstream (jax-ml/jax#28908). The landing CI gained nothing from
 # it either: its run with the cache (empty at start) took 547 s, the landing before, without
 # it and with ~2 min less of tests, 391 s. run.py keeps its own cache (`xla_cache`).
 
