@@ -292,5 +292,6 @@ def main(cfg: DictConfig):
                        sweep=spec.sweep, error=e, run_dir=run_dir())
         raise
     finally:
-        if handler is not None:
+        if handler is not None:  # as it was: in-process callers (tests, sweeps) go on
             signal.signal(signal.SIGINT, handler)
+            INTERRUPTED.clear()

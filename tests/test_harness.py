@@ -367,6 +367,7 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run(tmp_path, monkeypat
         with pytest.raises(SystemExit) as e:
             harness.main(cfg_of(*TINY, f"results={store}"))
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert not base.INTERRUPTED.is_set()  # or the worker's next task would stop at once
     finally:
         signal.signal(signal.SIGINT, inherited)
     assert e.value.code == 130
