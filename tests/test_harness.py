@@ -345,22 +345,20 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run(tmp_path, monkeypat
     """Python raises a SIGINT's KeyboardInterrupt at whatever bytecode runs next; inside a
     finalizer it is only printed and the run went on to the end. The run now stops at the
     task's next step, status 130, nothing recorded, and its SIGINT handler is undone."""
-    from tqdm.auto import tqdm
-
     from kvjax.tasks import base
 
     class Finalized:
         def __del__(self):
             signal.raise_signal(signal.SIGINT)
 
-    class Bar(tqdm):
+    class Bar(base.Progress):
         def __iter__(self):
             for i, item in enumerate(super().__iter__()):
                 if i == 1:  # of 4 chunks
                     Finalized()  # its __del__ runs (and swallows the interrupt) right here
                 yield item
 
-    monkeypatch.setattr(base, "tqdm", Bar)
+    monkeypatch.setattr(base, "Progress", Bar)
     store = tmp_path / "r.jsonl"
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
     try:

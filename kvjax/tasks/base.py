@@ -149,16 +149,21 @@ def on_sigint(signum, frame):
     raise KeyboardInterrupt
 
 
-def bar(iterable, ctx: TaskContext, desc: str, total: int | None = None):
-    """tqdm over `iterable`, quiet unless attached to a terminal (or forced by ctx.progress);
-    stops with KeyboardInterrupt at the next item once a SIGINT came (`on_sigint`)."""
-    disable = None if ctx.progress is None else not ctx.progress
-    with tqdm(iterable, desc=desc, total=total, disable=disable, leave=False,
-              dynamic_ncols=True) as items:
-        for item in items:
+class Progress(tqdm):
+    """tqdm that stops with KeyboardInterrupt at the next item once a SIGINT came (`on_sigint`)."""
+
+    def __iter__(self):
+        for item in super().__iter__():
             if INTERRUPTED.is_set():
                 raise KeyboardInterrupt
             yield item
+
+
+def bar(iterable, ctx: TaskContext, desc: str, total: int | None = None) -> Progress:
+    """Progress over `iterable`, quiet unless attached to a terminal (or forced by ctx.progress)."""
+    disable = None if ctx.progress is None else not ctx.progress
+    return Progress(iterable, desc=desc, total=total, disable=disable, leave=False,
+                    dynamic_ncols=True)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
