@@ -26,8 +26,11 @@ DATA = Path(__file__).parent / "data"
 # `backend.deserialize_executable` of a small jitted step of test_serve (faulthandler's trace),
 # never reproduced in isolation; upstream has open crash reports (jax-ml/jax#28908). The floor
 # skips the many small programs; without any cache the cold CI run took 29 min of CPU, not 24.
-jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla-tests"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# Its own folder: JAX reads every program from the cache whatever its compile time (the floor
+# only limits writes), so a folder filled without the floor would still load the small ones.
+_FLOOR_S = 0.5
+jax.config.update("jax_compilation_cache_dir", str(cache_root() / f"xla-tests-{_FLOOR_S}s"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", _FLOOR_S)
 
 
 @pytest.fixture(scope="session")
