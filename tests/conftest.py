@@ -21,11 +21,12 @@ DATA = Path(__file__).parent / "data"
 # persistent compilation cache, keyed by the program: tests that build the same program from
 # different Python functions share it), but only programs that took >= 0.5 s to compile: 30 %
 # of the programs, 90 % of the compile time (JAX_LOG_COMPILES=1: 209 programs of
-# test_formats_matrix, test_serve and the start of test_reference). Loading an XLA:CPU executable back can crash: twice with
-# every program cached (no floor) a worker died (SIGSEGV) inside JAX's cache read, in
-# `backend.deserialize_executable` of a small jitted step of test_serve (faulthandler's trace),
-# never reproduced in isolation; upstream has open crash reports (jax-ml/jax#28908). The floor
-# skips the many small programs; without any cache the cold CI run took 29 min of CPU, not 24.
+# test_formats_matrix, test_serve and the start of test_reference). Loading an XLA:CPU
+# executable back can crash: twice with every program cached (no floor) a worker died
+# (SIGSEGV) inside JAX's cache read, in `backend.deserialize_executable` of a small jitted step
+# of test_serve (faulthandler's trace), never reproduced in isolation; upstream has open crash
+# reports (jax-ml/jax#28908). The floor skips the many small programs; with no cache at all the
+# cold CI run took 29 min of CPU, not 24 (docs/benchmarks.md, "CI time").
 # Its own folder: JAX reads every program from the cache whatever its compile time (the floor
 # only limits writes), so a folder filled without the floor would still load the small ones.
 _FLOOR_S = 0.5
