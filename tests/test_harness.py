@@ -387,14 +387,21 @@ def test_ctrl_c_during_a_run_py_task(tmp_path):
             [sys.executable, str(ROOT / "run.py"), "model=tiny", "task.length=30000",
              "task.chunk=1", "progress=true", "speed.prompt=0", "wandb.mode=disabled",
              f"results={store}", f"hydra.run.dir={tmp_path}/run", "xla_cache=null"],
-            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=f)
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=f,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
         signal.signal(signal.SIGINT, inherited)
         deadline = time.time() + 240
         while time.time() < deadline and "perplexity (full)" not in err.read_text():
             time.sleep(0.1)
         assert proc.poll() is None, "the run ended before it could be interrupted"
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        try:
+            assert proc.wait(timeout=60) == 130
+        except subprocess.TimeoutExpired:  # show where it hangs: faulthandler's dump on SIGABRT
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=30)
+            pytest.fail("run.py did not exit within 60 s of SIGINT; its stderr ends:\n"
+                        + err.read_text()[-6000:])
     text = err.read_text()
     assert "Traceback" not in text
     assert text.rstrip().splitlines()[-1].endswith(
