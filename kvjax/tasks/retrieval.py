@@ -78,12 +78,18 @@ def planted_prompt(tokenizer, length: int, plant: str, question: str, answer: st
 
     fill(n_body, n_fixed) -> (body ids [n_body], index to plant at) sizes the body to the ids
     the fixed parts leave (n_fixed of them), raising if that cannot make a prompt."""
-    head = chat_frame(tokenizer)[0] + (tokenizer.encode(intro) if intro else [])
+    head = prompt_head(tokenizer, intro)
     planted = tokenizer.encode(plant)
     tail = question_tail(tokenizer, question, answer)
     fixed = len(head) + len(planted) + len(tail)
     body, at = fill(length - fixed, fixed)
     return head + body[:at] + planted + body[at:] + tail
+
+
+def prompt_head(tokenizer, intro: str = "") -> list[int]:
+    """The ids that start a retrieval prompt: the chat template's head and `intro` (what
+    every prompt of a task shares: a server's static prefix)."""
+    return chat_frame(tokenizer)[0] + (tokenizer.encode(intro) if intro else [])
 
 
 def question_tail(tokenizer, question: str, answer: str) -> list[int]:

@@ -27,9 +27,9 @@ from kvjax.cache import get_layout
 from kvjax.formats import get_format
 from kvjax.policies import get_policy
 from kvjax.serve import ModelRunner, Server, Turn, percentiles
-from kvjax.tasks.base import Task, TaskContext, TaskResult, chat_frame, check_positive, register
+from kvjax.tasks.base import Task, TaskContext, TaskResult, check_positive, register
 from kvjax.tasks.passkey import ANSWER, INTRO, passkey_prompt
-from kvjax.tasks.retrieval import random_key
+from kvjax.tasks.retrieval import prompt_head, random_key
 
 FOLLOWUP = "What was the pass key? Answer with the number only."
 FOLLOWUP_ROOM = 48  # tokens a follow-up turn may take before `resolve` measures it
@@ -48,7 +48,7 @@ def followup_turn(tokenizer) -> list[int]:
 
 def static_prefix(tokenizer) -> list[int]:
     """What every passkey prompt starts with: the chat template's head and the instruction."""
-    return chat_frame(tokenizer)[0] + tokenizer.encode(INTRO)
+    return prompt_head(tokenizer, INTRO)
 
 
 @register
