@@ -236,9 +236,7 @@ class KVCache:
                              f"n_tokens={n_tokens} must be row {src}'s length "
                              f"{int(self.length[src])} (or None)")
         dst = jnp.asarray(dst, bool)
-        idx = jnp.where(dst, src, jnp.arange(dst.shape[0]))  # [B] row each row copies
-        return self.set_rows(jnp.arange(dst.shape[0]), self.rows(idx)).replace(
-            nonfinite=self.nonfinite)
+        return self.rows(jnp.where(dst, src, jnp.arange(dst.shape[0])))  # [B] row each copies
 
     def layer_view(self, layer, empty: bool = False) -> LayerView:
         """One layer as the policy and attention see it (k/v dequantized, one layer only).
