@@ -226,13 +226,11 @@ class PagedCache:
 
     def share_prefix(self, src, dst, n_tokens=None) -> PagedCache:
         """Rows dst [B] bool share row src's first n_tokens tokens (`share_prefix`)."""
-        pages = share_prefix(self.pages, src, dst, n_tokens)
-        return self.replace(pages=pages, read_tables=pages.block_tables)
+        return self.replace_pages(share_prefix(self.pages, src, dst, n_tokens))
 
     def free(self, rows) -> PagedCache:
         """End the sequences in rows [B] bool; their pages return to the pool (`free`)."""
-        pages = free(self.pages, rows)
-        return self.replace(pages=pages, read_tables=pages.block_tables)
+        return self.replace_pages(free(self.pages, rows))
 
     def rows(self, idx) -> PagedCache:
         """Rows idx [b] int32 alone, over the whole pool (run `forward` on it, put it back with
@@ -257,7 +255,8 @@ class PagedCache:
                             cow=self.cow.at[:, idx].set(sub.cow), nonfinite=sub.nonfinite)
 
     def replace_pages(self, pages: PagedKVCache) -> PagedCache:
-        """This cache over `pages` (e.g. after `kvjax.pages.swap_out` / `swap_in`)."""
+        """This cache over `pages`, reading through their block tables (after `free`,
+        `share_prefix`, `kvjax.pages.swap_out` / `swap_in`)."""
         return self.replace(pages=pages, read_tables=pages.block_tables)
 
     # ---- the protocol `kvjax.model.forward` calls
