@@ -130,9 +130,10 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache, cache_empty
         axis=3)
     out = out * inv[..., None]
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, H, E)  # [B, T, H, E]
-    p_cache = jnp.sum(e_cache * inv[..., None], axis=2)  # [B, K, T, C]
-    if cache_empty:
-        p_cache = jnp.zeros(p_cache.shape[:3] + k_cache.shape[2:3], p_cache.dtype)
+    if cache_empty:  # no slot was scored: zero weight on every one
+        p_cache = jnp.zeros((B, K, T, k_cache.shape[2]), jnp.float32)
+    else:
+        p_cache = jnp.sum(e_cache * inv[..., None], axis=2)  # [B, K, T, C]
     p_new = jnp.concatenate(
         [jnp.pad(jnp.sum(e * inv[..., t0:t1, None], axis=2), ((0, 0), (0, 0), (0, 0), (0, T - t1)))
          for (t0, t1), e in zip(blocks, e_new)], axis=2)  # [B, K, T, T]
