@@ -9,30 +9,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
-from kvjax.harness import XLA_CACHE_MIN_COMPILE_S
+from kvjax.harness import XLA_CACHE_MIN_COMPILE_S, set_xla_cache
 from kvjax.loading.hub import cache_root
 
 DATA = Path(__file__).parent / "data"
 
-# Compiled programs persist between tests, workers and runs beside the cached model (JAX's
-# persistent compilation cache, keyed by the program: tests that build the same program from
-# different Python functions share it), but only programs that took >= 0.5 s to compile (as
-# run.py does): 30 % of the programs, 90 % of the compile time (JAX_LOG_COMPILES=1: 209
-# programs of test_formats_matrix, test_serve and the start of test_reference). Loading an XLA:CPU
-# executable back can crash: twice with every program cached (no floor) a worker died
-# (SIGSEGV) inside JAX's cache read, in `backend.deserialize_executable` of a small jitted step
-# of test_serve (faulthandler's trace), never reproduced in isolation; upstream has open crash
-# reports (jax-ml/jax#28908). The floor skips the many small programs; with no cache at all the
-# cold CI run took 29 min of CPU, not 24 (docs/benchmarks.md, "CI time").
-# Its own folder: JAX reads every program from the cache whatever its compile time (the floor
-# only limits writes), so a folder filled without the floor would still load the small ones.
-jax.config.update("jax_compilation_cache_dir",
-                  str(cache_root() / f"xla-tests-{XLA_CACHE_MIN_COMPILE_S}s"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", XLA_CACHE_MIN_COMPILE_S)
+# Compiled programs persist between tests, workers and runs beside the cached model, as run.py
+# keeps them (`set_xla_cache`: only programs that compile in >= XLA_CACHE_MIN_COMPILE_S, whose
+# comment says why): tests that build the same program from different Python functions share
+# it; with no cache at all the cold CI run took 29 min of CPU, not 26.5 (docs/benchmarks.md,
+# "CI time"). A folder of its own, named by the floor, as JAX loads whatever a folder holds.
+set_xla_cache(str(cache_root() / f"xla-tests-{XLA_CACHE_MIN_COMPILE_S}s"))
 
 
 @pytest.fixture(scope="session")
