@@ -26,6 +26,9 @@ from kvjax.policies import get_policy
 
 
 def matmuls_only(cfg):
+    """The seven projections of every layer, then the head at the last position only (as
+    prefill and decode compute it)."""
+
     @jax.jit
     def run(params, x):  # x [B, T, D]
         def body(x, layer):
@@ -40,7 +43,7 @@ def matmuls_only(cfg):
 
         x, _ = jax.lax.scan(body, x, jnp.arange(cfg.n_layers))
         head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]  # [D, V]
-        return jnp.einsum("BTD,DV->BTV", x, head)
+        return jnp.einsum("BTD,DV->BTV", x[:, -1:], head)
 
     return run
 

@@ -1,0 +1,244 @@
+"""Issue 14's prefill and decode goals against the floors of this CPU, kvjax and HF side by side.
+
+    python -m experiments.bench_floors --wait-idle 60 [--prompt 512 2048] [--context 128]
+
+Needs torch and transformers, as `experiments.bench_hf` (whose HF model this builds from the same
+f32 weights). Batch 1, interleaved rounds (each rotates which variant goes first), medians.
+
+* prefill of P tokens: kvjax's `prefill`, HF's forward (`logits_to_keep=1`), and the model's
+  projections alone (q, k, v, o, gate, up, down of every layer at T = P: no norms, RoPE,
+  attention or head) once as XLA ops and once as torch's `F.linear` on HF's own modules. The goal
+  (kvjax >= 1.25x HF) needs kvjax's prefill <= HF / 1.25; kvjax's prefill contains those
+  projections, so where XLA's projections alone take longer, no kvjax built on XLA:CPU's matmuls
+  can reach it on these cores.
+* decode at N cached tokens: kvjax's `decode_step` (+ greedy token), HF's cached step, and one
+  read of every f32 weight (a sum over all parameters, in XLA and in torch). Batch-1 decode reads
+  all weights once per token, so that read is the floor of a step in any framework; the goal
+  (kvjax >= 2x HF) needs a step <= HF / 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.bench_decode_floor import matmuls_only
+from experiments.bench_formats import header
+from experiments.bench_hf import (IDLE_CORES, CpuProbe, _cache_of, _import_hf, build_hf_model,
+                                  json_path, wait_idle, write_json)
+from kvjax.cache import KVCache
+from kvjax.formats import get_format
+from kvjax.generate import decode_step, prefill, sample
+from kvjax.loading import load_model
+from kvjax.model import to_device
+from kvjax.policies import get_policy
+from kvjax.tasks.text import default_text, encode_prefix
+
+GOAL = {"prefill": 1.25, "decode": 2.0}  # issue 14: kvjax speed / HF speed at least this
+
+
+def projection_flops(cfg, tokens: int) -> float:
+    """Multiply-adds x 2 of the seven projections of every layer over `tokens` tokens."""
+    d, hq, hk, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    per_token = d * e * (2 * hq + 2 * hk) + 3 * d * f
+    return 2.0 * tokens * cfg.n_layers * per_token
+
+
+def torch_projections(torch, model):
+    """HF's own projection modules applied in sequence, as `matmuls_only` does in XLA."""
+    layers = model.model.layers
+
+    def run(x):  # x [1, T, D]
+        for lyr in layers:
+            a = lyr.self_attn
+            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+            o = a.o_proj(q) + k.sum() + v.sum()
+            m = lyr.mlp
+            x = x + m.down_proj(torch.nn.functional.silu(m.gate_proj(o)) * m.up_proj(o))
+        return x
+
+    return run
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompt", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--context", type=int, nargs="+", default=[128])
+    ap.add_argument("--steps", type=int, default=8, help="greedy steps per timed decode block")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                    help="before each round wait (at most this long) for other processes to "
+                         "use < 0.2 cores; rounds during which they used more are redone")
+    ap.add_argument("--out", default=None, help="also write the table here (and FILE.json)")
+    a = ap.parse_args(argv)
+    if min(*a.prompt, *a.context, a.steps, a.rounds) < 1:
+        ap.error("--prompt, --context, --steps and --rounds must be positive")
+    torch, transformers = _import_hf()
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
+
+    cfg, np_params, tokenizer = load_model(a.model)
+    params = to_device(np_params)
+    model = build_hf_model(cfg, np_params, "sdpa")
+    ckw = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
+    del np_params
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    ids = np.asarray(encode_prefix(tokenizer, default_text(),
+                                   max(*a.prompt, *a.context) + a.steps + 1), np.int64)
+    full, f32, key = get_policy("full"), get_format("f32"), jax.random.PRNGKey(0)
+    mats = matmuls_only(cfg)
+    read_xla = jax.jit(lambda p: sum(jnp.sum(x) for x in jax.tree.leaves(p)))
+    proj_torch = torch_projections(torch, model)
+    xs = {p: jnp.ones((1, p, cfg.d_model), jnp.float32) for p in a.prompt}
+    xs_t = {p: torch.ones((1, p, cfg.d_model)) for p in a.prompt}
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    kv_base, hf_base = {}, {}
+    for n in a.context:
+        lg, c = prefill(params, [ids[:n].tolist()], KVCache.init(cfg, 1, full, f32, n + a.steps),
+                        cfg)
+        kv_base[n] = (sample(lg, key), c)
+        with torch.inference_mode():
+            out = model(input_ids=torch.from_numpy(ids[None, :n]), use_cache=True,
+                        logits_to_keep=1)
+        hf_base[n] = (out.logits[:, -1:].argmax(-1), _cache_of(out))
+
+    def kv_decode(n):
+        tok, base = kv_base[n]
+        c = jax.tree.map(jnp.copy, base)  # decode_step donates its cache
+        jax.block_until_ready(c)
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            lg, c = decode_step(params, tok, c, cfg)
+            tok = sample(lg, key)
+        tok.block_until_ready()
+        return (time.perf_counter() - t0) / a.steps
+
+    def hf_decode(n):
+        tok, cache = hf_base[n]
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                tok = model(input_ids=tok, **{ckw: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+            dt = (time.perf_counter() - t0) / a.steps
+        cache.crop(-a.steps)
+        return dt
+
+    def kv_prefill(p):
+        lg, _ = prefill(params, [ids[:p].tolist()], KVCache.init(cfg, 1, full, f32, p), cfg)
+        lg.block_until_ready()
+
+    def torch_read():
+        with torch.inference_mode():
+            return sum(float(w.sum()) for w in model.parameters())
+
+    def hf_prefill(p):
+        with torch.inference_mode():
+            model(input_ids=torch.from_numpy(ids[None, :p]), use_cache=False, logits_to_keep=1)
+
+    def torch_proj(p):
+        with torch.inference_mode():
+            proj_torch(xs_t[p])
+
+    variants = {}
+    for p in a.prompt:
+        variants[("prefill", p)] = {
+            "kvjax": lambda p=p: kv_prefill(p),
+            "HF": lambda p=p: hf_prefill(p),
+            "XLA floor": lambda p=p: mats(params, xs[p]).block_until_ready(),
+            "torch floor": lambda p=p: torch_proj(p)}
+    for n in a.context:
+        variants[("decode", n)] = {
+            "kvjax": lambda n=n: kv_decode(n), "HF": lambda n=n: hf_decode(n),
+            "XLA floor": lambda: read_xla(params).block_until_ready(),
+            "torch floor": torch_read}
+
+    def once(measure, v):
+        fn = variants[measure][v]
+        return fn() if measure[0] == "decode" and v in ("kvjax", "HF") else timed(fn)
+
+    t = time.perf_counter()
+    for m in variants:  # warm-up: compiles, first torch calls
+        for v in variants[m]:
+            once(m, v)
+    print(f"set-up (compiles, context prefills, warm-up): {time.perf_counter() - t:.0f} s",
+          flush=True)
+
+    times = {(m, v): [] for m in variants for v in variants[m]}
+    others, attempts, discarded = [], 0, 0
+    names = ["kvjax", "HF", "XLA floor", "torch floor"]
+    while len(others) < a.rounds and attempts < 3 * a.rounds:
+        r, attempts = len(others), attempts + 1
+        if a.wait_idle:
+            wait_idle(a.wait_idle, IDLE_CORES)
+        probe = CpuProbe()
+        order = names[r % 4:] + names[: r % 4]
+        got = {(m, v): once(m, v) for m in variants for v in order}
+        busy = probe.others()
+        tag = "" if busy is None else f" [others: {busy:.2f} cores]"
+        if a.wait_idle and busy is not None and busy >= IDLE_CORES and attempts < 3 * a.rounds:
+            discarded += 1
+            print(f"discarded (other processes were busy){tag}", flush=True)
+            continue
+        others.append(busy)
+        for k, dt in got.items():
+            times[k].append(dt)
+        print(f"round {r + 1}/{a.rounds}{tag}: " + "; ".join(
+            f"{m[0]} {m[1]}: " + " / ".join(f"{v} {got[m, v] * 1e3:.1f} ms" for v in names)
+            for m in variants), flush=True)
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+
+    rows, summary = [], []
+    for m in variants:
+        kind, n = m
+        kv, hf, fx, ft = (med[m, v] for v in names)
+        goal = hf / GOAL[kind]
+        if kind == "prefill":
+            label = f"prefill {n} tokens"
+            floor = f"projections only ({projection_flops(cfg, n) / 1e9:.0f} GFLOP)"
+            rate = lambda s: f"{projection_flops(cfg, n) / s / 1e9:.0f} GFLOP/s"  # noqa: E731
+        else:
+            label = f"decode at {n} tokens, per token"
+            floor = f"read all weights ({weight_bytes / 1e6:.0f} MB)"
+            rate = lambda s: f"{weight_bytes / s / 1e9:.1f} GB/s"  # noqa: E731
+        ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+        rows.append(f"| {label} | {ms(kv)} | {ms(hf)} | {hf / kv:.2f}x | {GOAL[kind]}x: "
+                    f"<= {ms(goal)} | {floor} | {ms(fx)} ({rate(fx)}) | {ms(ft)} ({rate(ft)}) "
+                    f"| {fx / goal:.2f}x |")
+        summary.append({"measure": kind, "tokens": n, "seconds": dict(zip(names, (kv, hf, fx, ft))),
+                        "goal_seconds": goal, "xla_floor_over_goal": fx / goal})
+    head = (f"{header('bench_floors', argv)}\nmachine: {platform.processor() or platform.machine()}"
+            f", {cores} core(s), jax {jax.__version__}, torch {torch.__version__}, transformers "
+            f"{transformers.__version__}; f32, batch 1, HF at {cores} threads (sdpa); medians of "
+            f"{len(others)} interleaved rounds"
+            + (f" ({discarded} discarded: other processes busy)" if discarded else "")
+            + ("" if None in others or not others else
+               f"; other processes used {min(others):.2f}-{max(others):.2f} cores") + "\n\n")
+    table = ("| measure | kvjax | HF | kvjax speed / HF | goal | floor | XLA floor | "
+             "torch floor | XLA floor / goal |\n|---|---:|---:|---:|---|---|---:|---:|---:|\n"
+             + "\n".join(rows))
+    print()
+    print(head + table)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(head + table + "\n")
+        write_json(json_path(a.out), {"machine": head, "rounds": len(others),
+                                      "discarded": discarded, "other_cores": others,
+                                      "rows": summary})
+    return summary
+
+
+if __name__ == "__main__":
+    main()
