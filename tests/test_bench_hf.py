@@ -92,3 +92,26 @@ def test_numbers_json_beside_the_table(tmp_path):
     assert rows["decode", 128]["seconds"]["h2o:512:int4"] == 0.03
     assert rows["decode", 128]["speedup_vs"]["hf2"] == pytest.approx(3.0)
     assert rows["decode", 1024]["speedup_vs"] == pytest.approx({"hf2": 1.75, "hf1": 1.5})
+
+
+def test_floors_count_the_projection_flops_of_the_params():
+    """bench_floors' GFLOP figure: 2 x tokens x every projection weight of every layer, the
+    count read off the params themselves (embedding, norms and head excluded)."""
+    from experiments import bench_floors
+
+    cfg = tiny_config(n_heads=6, n_kv_heads=2, head_dim=16)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    weights = sum(params["layers"][k].size for k in
+                  ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+    assert bench_floors.projection_flops(cfg, 7) == 2 * 7 * weights
+
+
+def test_floors_need_torch_before_any_model_loads(monkeypatch):
+    from experiments import bench_floors
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setattr(bench_floors, "load_model", lambda *a: pytest.fail("model loaded"))
+    with pytest.raises(ImportError, match="pip install transformers"):
+        bench_floors.main(["--rounds", "1"])
+    with pytest.raises(SystemExit):
+        bench_floors.main(["--rounds", "0"])
