@@ -31,8 +31,16 @@ import numpy as np
 
 from experiments.bench_decode_floor import matmuls_only
 from experiments.bench_formats import header
-from experiments.bench_hf import (IDLE_CORES, CpuProbe, _cache_of, _import_hf, build_hf_model,
-                                  json_path, wait_idle, write_json)
+from experiments.bench_hf import (
+    IDLE_CORES,
+    CpuProbe,
+    _cache_of,
+    _import_hf,
+    build_hf_model,
+    json_path,
+    wait_idle,
+    write_json,
+)
 from kvjax.cache import KVCache
 from kvjax.formats import get_format
 from kvjax.generate import decode_step, prefill, sample
@@ -170,8 +178,8 @@ def main(argv=None):
         return fn() if measure[0] == "decode" and v in ("kvjax", "HF") else timed(fn)
 
     t = time.perf_counter()
-    for m in variants:  # warm-up: compiles, first torch calls
-        for v in variants[m]:
+    for m, fns in variants.items():  # warm-up: compiles, first torch calls
+        for v in fns:
             once(m, v)
     print(f"set-up (compiles, context prefills, warm-up): {time.perf_counter() - t:.0f} s",
           flush=True)
@@ -206,17 +214,15 @@ def main(argv=None):
         kv, hf, fx, ft = (med[m, v] for v in names)
         goal = hf / GOAL[kind]
         if kind == "prefill":
-            label = f"prefill {n} tokens"
-            floor = f"projections only ({projection_flops(cfg, n) / 1e9:.0f} GFLOP)"
-            rate = lambda s: f"{projection_flops(cfg, n) / s / 1e9:.0f} GFLOP/s"  # noqa: E731
+            label, work = f"prefill {n} tokens", projection_flops(cfg, n) / 1e9
+            floor, unit = f"projections only ({work:.0f} GFLOP)", "GFLOP/s"
         else:
-            label = f"decode at {n} tokens, per token"
-            floor = f"read all weights ({weight_bytes / 1e6:.0f} MB)"
-            rate = lambda s: f"{weight_bytes / s / 1e9:.1f} GB/s"  # noqa: E731
-        ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
-        rows.append(f"| {label} | {ms(kv)} | {ms(hf)} | {hf / kv:.2f}x | {GOAL[kind]}x: "
-                    f"<= {ms(goal)} | {floor} | {ms(fx)} ({rate(fx)}) | {ms(ft)} ({rate(ft)}) "
-                    f"| {fx / goal:.2f}x |")
+            label, work = f"decode at {n} tokens, per token", weight_bytes / 1e9
+            floor, unit = f"read all weights ({weight_bytes / 1e6:.0f} MB)", "GB/s"
+        rows.append(f"| {label} | {kv * 1e3:.1f} ms | {hf * 1e3:.1f} ms | {hf / kv:.2f}x | "
+                    f"{GOAL[kind]}x: <= {goal * 1e3:.1f} ms | {floor} | {fx * 1e3:.1f} ms "
+                    f"({work / fx:.1f} {unit}) | {ft * 1e3:.1f} ms ({work / ft:.1f} {unit}) | "
+                    f"{fx / goal:.2f}x |")
         summary.append({"measure": kind, "tokens": n, "seconds": dict(zip(names, (kv, hf, fx, ft))),
                         "goal_seconds": goal, "xla_floor_over_goal": fx / goal})
     head = (f"{header('bench_floors', argv)}\nmachine: {platform.processor() or platform.machine()}"
