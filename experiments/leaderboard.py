@@ -15,6 +15,7 @@ averaged over categories) in percent, as kvpress's leaderboard prints it.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import defaultdict
@@ -61,45 +62,75 @@ def run(data: str, name: str, policies=POLICIES, ratios=RATIOS, echo=print, **op
     return time.perf_counter() - t
 
 
-def table(records: list[dict]) -> tuple[dict, dict, float | None]:
-    """({policy: {ratio: score %}}, {policy: {ratio: n_samples}}, the full cache's score %)
-    from the records of one sweep (the last record of each key counts)."""
+def table(records: list[dict]) -> tuple[dict, dict, float | None, dict]:
+    """({policy: {ratio: score %}}, {policy: {ratio: n_samples}}, the full cache's score %,
+    {policy or FULL: {ratio: standard error %}}) from the records of one sweep (the last record
+    of each key counts)."""
     latest = {r["key"]: r for r in records}
     cells: dict = defaultdict(dict)
     counts: dict = defaultdict(dict)
+    errors: dict = defaultdict(dict)
     full = None
     for r in latest.values():
         pol = r["point"]["policy"]
         score = 100 * r["metrics"]["value"]
+        se = record_se(r)
         if pol["name"] == FULL:
             full = score
+            if se is not None:
+                errors[FULL] = {None: se}
             continue
         cells[pol["name"]][pol.get("ratio")] = score
         counts[pol["name"]][pol.get("ratio")] = r["metrics"].get("n_samples")
-    return dict(cells), dict(counts), full
+        if se is not None:
+            errors[pol["name"]][pol.get("ratio")] = se
+    return dict(cells), dict(counts), full, dict(errors)
 
 
-def markdown(cells: dict, full: float | None, ratios) -> str:
-    """The table: a row per policy (sorted by its mean score), a column per ratio."""
+def record_se(record: dict) -> float | None:
+    """The standard error (percentage points) of a qa record's score: stored with it
+    (`metrics.score_se`), else computed from the per-sample scores beside it (samples.json);
+    None when neither is there or a category has one sample."""
+    from kvjax.tasks.qa import score_se
+
+    se = record["metrics"].get("score_se")
+    if se is None:
+        path = Path(record.get("run_dir") or "") / "samples.json"
+        if not path.is_file():
+            return None
+        scorer = record["point"]["task"].get("scorer") or "match_all"
+        se = score_se(json.loads(path.read_text()), scorer)
+    return None if se is None else 100 * se
+
+
+def markdown(cells: dict, full: float | None, ratios, errors: dict | None = None) -> str:
+    """The table: a row per policy (sorted by its mean score), a column per ratio; a cell is
+    `score ± standard error` where `errors` has it."""
+    errors = errors or {}
+    fmt = lambda v, e: f"{v:.1f}" if e is None else f"{v:.1f} ± {e:.1f}"
     head = "| policy | " + " | ".join(f"ratio {r}" for r in ratios) + " | mean |"
     lines = [head, "|" + "---|" * (len(ratios) + 2)]
     if full is not None:
-        lines.append("| full cache | " + " | ".join(f"{full:.1f}" for _ in ratios)
-                     + f" | {full:.1f} |")
+        f = fmt(full, errors.get(FULL, {}).get(None))
+        lines.append("| full cache | " + " | ".join(f for _ in ratios) + f" | {full:.1f} |")
     mean = lambda row: sum(row.get(r, 0.0) for r in ratios) / len(ratios)
     for name, row in sorted(cells.items(), key=lambda kv: -mean(kv[1])):
-        vals = [f"{row[r]:.1f}" if r in row else "–" for r in ratios]
+        vals = [fmt(row[r], errors.get(name, {}).get(r)) if r in row else "–" for r in ratios]
         lines.append(f"| {name} | " + " | ".join(vals) + f" | {mean(row):.1f} |")
     return "\n".join(lines)
 
 
-def plot(cells: dict, full: float | None, ratios, path: Path, title: str) -> None:
-    """Score against compression ratio, a line per policy, the full cache dashed (kvpress's
-    leaderboard plot)."""
+def plot(cells: dict, full: float | None, ratios, path: Path, title: str,
+         errors: dict | None = None) -> None:
+    """Score against compression ratio, a line per policy (with standard-error bars where
+    known), the full cache dashed (kvpress's leaderboard plot)."""
+    errors = errors or {}
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for name, row in sorted(cells.items()):
         xs = [r for r in ratios if r in row]
-        ax.plot(xs, [row[r] for r in xs], marker="o", label=name)
+        err = [errors.get(name, {}).get(r) for r in xs]
+        ax.errorbar(xs, [row[r] for r in xs], yerr=None if None in err else err, marker="o",
+                    capsize=3, label=name)
     if full is not None:
         ax.axhline(full, color="black", linestyle="--", label="full cache")
     ax.set_xlabel("compression ratio (fraction of the context removed)")
@@ -128,19 +159,20 @@ def leaderboard(store: str, name: str, out: str | None = None, ratios=RATIOS,
         raise ValueError(f"sweep {name!r} mixes {len(files)} data files; one leaderboard reads "
                          "one file")
     models = {r["point"]["model"]["name"] for r in records}
-    cells, counts, full = table(records)
+    cells, counts, full, errors = table(records)
     n = next(iter(next(iter(counts.values())).values())) if counts else None
     d = Path(out or f"reports/leaderboard_{name}")
     d.mkdir(parents=True, exist_ok=True)
     title = f"{name}: {', '.join(sorted(models))}, compress mode"
-    plot(cells, full, ratios, d / "leaderboard.png", title)
+    plot(cells, full, ratios, d / "leaderboard.png", title, errors)
     text = (f"# Leaderboard {name}\n\n{title}; average score (%) over categories, "
-            f"{n} samples per point. Data file sha256: {min(files)}\n\n"
-            f"![leaderboard](leaderboard.png)\n\n{markdown(cells, full, ratios)}\n")
+            f"{n} samples per point; ± one standard error of the score over the samples (bars "
+            f"in the plot). Data file sha256: {min(files)}\n\n"
+            f"![leaderboard](leaderboard.png)\n\n{markdown(cells, full, ratios, errors)}\n")
     (d / "leaderboard.md").write_text(text)
-    echo(markdown(cells, full, ratios))
+    echo(markdown(cells, full, ratios, errors))
     echo(f"leaderboard: {d / 'leaderboard.md'}")
-    return {"dir": d, "cells": cells, "full": full}
+    return {"dir": d, "cells": cells, "full": full, "errors": errors}
 
 
 def main(argv=None) -> int:

@@ -280,6 +280,36 @@ def test_leaderboard_table_shape():
     assert text[2] == "| full cache | 70.0 | 70.0 | 70.0 | 70.0 |"
     assert text[3].startswith("| tova | 60.0 | 55.0 | – |")  # sorted by mean, gaps marked
     assert text[4] == "| knorm | 50.0 | 40.0 | 10.0 | 33.3 |"
+    errors = {"full": {None: 2.0}, "tova": {0.25: 5.0}}
+    text = markdown(cells, 70.0, (0.25, 0.5, 0.75), errors).splitlines()
+    assert text[2] == "| full cache | 70.0 ± 2.0 | 70.0 ± 2.0 | 70.0 ± 2.0 | 70.0 |"
+    assert text[3].startswith("| tova | 60.0 ± 5.0 | 55.0 | – |")
+
+
+def test_score_se_by_hand():
+    """The category-averaged score's standard error: sqrt(sum_c var_c / n_c) / C."""
+    from kvjax.tasks.qa import score_se, summarize
+
+    rows = [{"category": "a", "match_all": v} for v in (1.0, 0.0)]
+    rows += [{"category": "b", "match_all": v} for v in (1.0, 1.0, 0.5)]
+    want = np.sqrt(0.5 / 2 + (1 / 12) / 3) / 2
+    assert score_se(rows, "match_all") == pytest.approx(want, rel=1e-12)
+    assert score_se(rows + [{"category": "c", "match_all": 1.0}], "match_all") is None
+    full = [{**r, "match_part": 0.0, "exact": 0.0, "f1": 0.0} for r in rows]
+    assert summarize(full, "match_all")["score_se"] == pytest.approx(want, rel=1e-12)
+
+
+def test_leaderboard_reads_the_standard_error_beside_an_older_record(tmp_path):
+    """A record stored without `score_se` gets it from its samples.json."""
+    from experiments.leaderboard import record_se
+
+    rows = [{"category": "a", "match_all": v} for v in (1.0, 0.0, 1.0)]
+    (tmp_path / "samples.json").write_text(json.dumps(rows))
+    rec = {"metrics": {"value": 2 / 3}, "run_dir": str(tmp_path),
+           "point": {"task": {"name": "qa", "scorer": "match_all"}}}
+    assert record_se(rec) == pytest.approx(100 * np.sqrt((1 / 3) / 3))
+    assert record_se({**rec, "metrics": {"value": 0.5, "score_se": 0.1}}) == pytest.approx(10.0)
+    assert record_se({**rec, "run_dir": str(tmp_path / "gone")}) is None
 
 
 def test_hydra_composes_task_qa(tmp_path):

@@ -162,7 +162,21 @@ def summarize(rows: list[dict], scorer: str) -> dict:
     means = lambda rs: {k: float(np.mean([r[k] for r in rs])) for k in SCORERS}
     per_cat = {c: {**means(rs), "n": len(rs)} for c, rs in sorted(by_cat.items())}
     return {"score": float(np.mean([m[scorer] for m in per_cat.values()])),
+            "score_se": score_se(rows, scorer),
             **means(rows), "n_samples": len(rows), "by_category": per_cat}
+
+
+def score_se(rows: list[dict], scorer: str) -> float | None:
+    """The standard error of `score` (the mean over C categories of each one's mean):
+    sqrt(sum_c s_c^2 / n_c) / C, s_c the category's sample standard deviation. None when a
+    category has a single sample (no spread to estimate)."""
+    by_cat: dict[str, list[float]] = collections.defaultdict(list)
+    for r in rows:
+        by_cat[r["category"]].append(float(r[scorer]))
+    if not by_cat or min(len(v) for v in by_cat.values()) < 2:
+        return None
+    var = sum(float(np.var(v, ddof=1)) / len(v) for v in by_cat.values())
+    return float(np.sqrt(var)) / len(by_cat)
 
 
 def until_eos(tokens, tokenizer) -> list[int]:
