@@ -32,13 +32,11 @@ import numpy as np
 from experiments.bench_decode_floor import matmuls_only
 from experiments.bench_formats import header
 from experiments.bench_hf import (
-    IDLE_CORES,
-    CpuProbe,
     _cache_of,
     _import_hf,
     build_hf_model,
     json_path,
-    wait_idle,
+    timed_rounds,
     write_json,
 )
 from kvjax.cache import KVCache
@@ -185,27 +183,18 @@ def main(argv=None):
           flush=True)
 
     times = {(m, v): [] for m in variants for v in variants[m]}
-    others, attempts, discarded = [], 0, 0
     names = ["kvjax", "HF", "XLA floor", "torch floor"]
-    while len(others) < a.rounds and attempts < 3 * a.rounds:
-        r, attempts = len(others), attempts + 1
-        if a.wait_idle:
-            wait_idle(a.wait_idle, IDLE_CORES)
-        probe = CpuProbe()
+
+    def one_round(r):
         order = names[r % 4:] + names[: r % 4]
         got = {(m, v): once(m, v) for m in variants for v in order}
-        busy = probe.others()
-        tag = "" if busy is None else f" [others: {busy:.2f} cores]"
-        if a.wait_idle and busy is not None and busy >= IDLE_CORES and attempts < 3 * a.rounds:
-            discarded += 1
-            print(f"discarded (other processes were busy){tag}", flush=True)
-            continue
-        others.append(busy)
+        return got, "; ".join(f"{m[0]} {m[1]}: " + " / ".join(
+            f"{v} {got[m, v] * 1e3:.1f} ms" for v in names) for m in variants)
+
+    kept, others, discarded = timed_rounds(a.rounds, a.wait_idle, one_round)
+    for got in kept:
         for k, dt in got.items():
             times[k].append(dt)
-        print(f"round {r + 1}/{a.rounds}{tag}: " + "; ".join(
-            f"{m[0]} {m[1]}: " + " / ".join(f"{v} {got[m, v] * 1e3:.1f} ms" for v in names)
-            for m in variants), flush=True)
     med = {k: statistics.median(v) for k, v in times.items() if v}
 
     rows, summary = [], []

@@ -193,6 +193,35 @@ def wait_idle(max_wait: float, threshold: float = IDLE_CORES, sample: float = 2.
     return time.perf_counter() - t0
 
 
+def timed_rounds(rounds: int, wait: float, one_round):
+    """Interleaved timing rounds on a shared machine. `one_round(r)` times round r and returns
+    (its results, a line to print). With `wait` > 0 each round first waits (at most `wait` s)
+    for idle cores, and a round during which other processes used >= IDLE_CORES is redone (at
+    most 3x `rounds` attempts in all). Returns (the kept rounds' results, the cores other
+    processes used during each (None: unknown), how many rounds were discarded)."""
+    kept, others, attempts, discarded = [], [], 0, 0
+    while len(kept) < rounds and attempts < 3 * rounds:
+        attempts += 1
+        if wait:
+            waited = wait_idle(wait, IDLE_CORES)
+            if waited > 3:
+                print(f"  waited {waited:.0f} s for idle cores", flush=True)
+        probe = CpuProbe()
+        got, line = one_round(len(kept))
+        busy = probe.others()
+        tag = "" if busy is None else f" [others: {busy:.2f} cores]"
+        if wait and busy is not None and busy >= IDLE_CORES and attempts < 3 * rounds:
+            discarded += 1
+            print(f"discarded (other processes were busy){tag}: {line}", flush=True)
+            continue
+        kept.append(got)
+        others.append(busy)
+        print(f"round {len(kept)}/{rounds}{tag}: {line}", flush=True)
+    if len(kept) < rounds:
+        print(f"only {len(kept)} of {rounds} rounds ran", flush=True)
+    return kept, others, discarded
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -378,39 +407,21 @@ def main(argv=None):
     # ---- timed rounds; each round rotates which variant goes first
     times = {(v, m): [] for v in variants for m in measures if applies(v, m)}
     same = {(v, n): a.steps for v in hf_vars for n in a.contexts}
-    others = []  # cores other processes kept busy during each kept round (None: unknown)
-    attempts, discarded = 0, 0
-    while len(others) < a.rounds and attempts < 3 * a.rounds:
-        r, attempts = len(others), attempts + 1
-        if a.wait_idle:
-            waited = wait_idle(a.wait_idle, IDLE_CORES)
-            if waited > 3:
-                print(f"  waited {waited:.0f} s for idle cores", flush=True)
-        probe = CpuProbe()
+
+    def one_round(r):
         order = variants[r % len(variants):] + variants[: r % len(variants)]
-        got = {}
-        for m in measures:
-            for v in order:
-                if applies(v, m):
-                    got[v, m] = run(v, m)
-        busy = probe.others()
-        line = "; ".join(f"{m[0]} {m[1]}: " + " / ".join(
+        got = {(v, m): run(v, m) for m in measures for v in order if applies(v, m)}
+        return got, "; ".join(f"{m[0]} {m[1]}: " + " / ".join(
             f"{v} {got[v, m][0] * 1e3:.0f} ms" for v in variants if (v, m) in got)
             for m in measures)
-        tag = "" if busy is None else f" [others: {busy:.2f} cores]"
-        if a.wait_idle and busy is not None and busy >= IDLE_CORES and attempts < 3 * a.rounds:
-            discarded += 1
-            print(f"discarded (other processes were busy){tag}: {line}", flush=True)
-            continue
-        others.append(busy)
+
+    kept, others, discarded = timed_rounds(a.rounds, a.wait_idle, one_round)
+    for got in kept:
         for (v, m), (dt, toks) in got.items():
             times[v, m].append(dt)
             if v in hf_vars and m[0] == "decode":
                 ref = got["kvjax", m][1]
                 same[v, m[1]] = min(same[v, m[1]], sum(x == y for x, y in zip(ref, toks)))
-        print(f"round {r + 1}/{a.rounds}{tag}: {line}", flush=True)
-    if len(others) < a.rounds:
-        print(f"only {len(others)} of {a.rounds} rounds ran", flush=True)
 
     med = {k: statistics.median(v) for k, v in times.items() if v}
 
