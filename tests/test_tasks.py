@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -200,6 +201,32 @@ def test_batched_retrieval_equals_one_prompt_at_a_time(tiny):
     assert len({tuple(t) for t in one}) == 5 and cache.length.shape == (1,)  # last batch: 1 row
     with pytest.raises(ValueError, match="batch=0"):
         get_task("needle", batch=0).validate()
+
+
+def test_batched_generate_frees_a_batch_s_caches_before_the_next(tiny, monkeypatch):
+    """Only one batch's caches are alive at a time: with many policies sharing a prefill
+    (a leaderboard: 15 caches per batch) keeping the previous batch's ran a 4k RULER sweep out of
+    memory."""
+    import gc
+    import weakref
+
+    from kvjax.tasks import base
+
+    real, seen = base.greedy_generate, []
+
+    def spy(*a, **k):
+        gc.collect()
+        assert all(r() is None for r in seen), "a previous batch's cache is still alive"
+        outs = real(*a, **k)
+        seen.extend(weakref.ref(x) for _, c in outs for x in jax.tree.leaves(c))
+        return outs
+
+    monkeypatch.setattr(base, "greedy_generate", spy)
+    ctx = ctx_for(tiny, "window", max_len=420, budget=64)
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(0, tiny.cfg.vocab_size, n)) for n in (100, 57, 128, 80, 9)]
+    (_, cache), = base.batched_generate(ctx, prompts, 6, 128, 2)
+    assert cache.length.shape == (1,) and len(seen) > 0
 
 
 def test_contains_answer():

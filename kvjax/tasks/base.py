@@ -234,6 +234,8 @@ def batched_generate(ctx: TaskContext, prompts: Sequence[Sequence[int]], new_tok
     starts = range(0, len(prompts), batch)
     for b in starts if desc is None else bar(starts, ctx, desc):
         rows = slice(b, b + batch)
+        # the last batch's caches go before this batch's are built (one per policy each)
+        caches, outs = [None] * n_policies, None
         outs = greedy_generate(ctx, prompts[rows], new_tokens, chunk, policies,
                                None if suffixes is None else suffixes[rows])
         for p, (out, caches[p]) in enumerate(outs):
