@@ -35,6 +35,7 @@ from experiments.bench_hf import (
     _cache_of,
     _import_hf,
     build_hf_model,
+    cache_kwarg,
     json_path,
     timed_rounds,
     write_json,
@@ -94,7 +95,7 @@ def main(argv=None):
     cfg, np_params, tokenizer = load_model(a.model)
     params = to_device(np_params)
     model = build_hf_model(cfg, np_params, "sdpa")
-    ckw = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
+    ckw = cache_kwarg(model)
     del np_params
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     ids = np.asarray(encode_prefix(tokenizer, default_text(),

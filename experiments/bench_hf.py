@@ -144,6 +144,12 @@ def build_hf_model(cfg: ModelConfig, params, attn: str = "sdpa"):
     return model.float().eval()
 
 
+def cache_kwarg(model) -> str:
+    """The name of a transformers forward's cache argument: `cache` from 5.2x on, before that
+    `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _cache_of(out):
     """The cache a transformers forward returned (`cache`, or `past_key_values` before 5.2x)."""
     c = getattr(out, "cache", None)
@@ -271,8 +277,7 @@ def main(argv=None):
     cfg, np_params, tokenizer = load_model(a.model)
     params = to_device(np_params)
     model = build_hf_model(cfg, np_params, a.hf_attn)
-    # transformers 5.2x renamed the cache argument/output `past_key_values` -> `cache`
-    ckw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ckw = cache_kwarg(model)
     del np_params
     n_ids = max(*a.prompt, *a.contexts, a.check_tokens) + a.steps + 1
     ids = np.asarray(encode_prefix(tokenizer, default_text(), n_ids), np.int64)
