@@ -73,17 +73,14 @@ def table(records: list[dict]) -> tuple[dict, dict, float | None, dict]:
     full = None
     for r in latest.values():
         pol = r["point"]["policy"]
-        score = 100 * r["metrics"]["value"]
-        se = record_se(r)
+        score, se = 100 * r["metrics"]["value"], record_se(r)
+        if se is not None:
+            errors[pol["name"]][pol.get("ratio")] = se  # the full cache's ratio is None
         if pol["name"] == FULL:
             full = score
-            if se is not None:
-                errors[FULL] = {None: se}
             continue
         cells[pol["name"]][pol.get("ratio")] = score
         counts[pol["name"]][pol.get("ratio")] = r["metrics"].get("n_samples")
-        if se is not None:
-            errors[pol["name"]][pol.get("ratio")] = se
     return dict(cells), dict(counts), full, dict(errors)
 
 
@@ -91,14 +88,14 @@ def record_se(record: dict) -> float | None:
     """The standard error (percentage points) of a qa record's score: stored with it
     (`metrics.score_se`), else computed from the per-sample scores beside it (samples.json);
     None when neither is there or a category has one sample."""
-    from kvjax.tasks.qa import score_se
+    from kvjax.tasks.qa import QA, score_se
 
     se = record["metrics"].get("score_se")
     if se is None:
         path = Path(record.get("run_dir") or "") / "samples.json"
         if not path.is_file():
             return None
-        scorer = record["point"]["task"].get("scorer") or "match_all"
+        scorer = record["point"]["task"].get("scorer") or QA.scorer
         se = score_se(json.loads(path.read_text()), scorer)
     return None if se is None else 100 * se
 
