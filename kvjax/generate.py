@@ -109,10 +109,14 @@ def decode(params, cfg: ModelConfig, logits, cache, n: int, *, temperature: floa
     """Sample n tokens per row from `logits` [B, V] on, feeding each back (`cache` donated).
     Returns (tokens [B, n] numpy, gathered from every process when rows are split over hosts,
     cache); the cache is checked for NaN/inf."""
-    key = jax.random.PRNGKey(seed)
+    greedy = temperature == 0.0  # no key to split (two small programs less to compile)
+    key = None if greedy else jax.random.PRNGKey(seed)
     out = []
     for _ in range(n):
-        key, sub = jax.random.split(key)
+        if greedy:
+            sub = None
+        else:
+            key, sub = jax.random.split(key)
         tok = sample(logits, sub, temperature, top_p)
         out.append(tok)
         logits, cache = decode_step(params, tok, cache, cfg)
