@@ -67,6 +67,23 @@ def prefill(params, prompts: Sequence[Sequence[int]], cache: KVCache, cfg: Model
     chunk has the same shape, so the step compiles once. A prompt read in one chunk into an
     empty cache skips scoring the cache's empty slots (`forward(fresh=True)`).
     """
+    fresh = _one_chunk(prompts, chunk) and is_empty(cache)
+    last = None
+    for toks, n_valid, last_idx, ends_here in _chunks(prompts, chunk):
+        lg, cache = prefill_chunk(params, toks, cache, cfg, n_valid, last_idx, fresh)
+        last = lg if last is None else jnp.where(ends_here[:, None], lg, last)
+    return last, cache
+
+
+def _one_chunk(prompts, chunk: int | None) -> bool:
+    """The prompts fit one chunk (several would compile a second program for the first one)."""
+    return chunk is None or max(len(p) for p in prompts) <= int(chunk)
+
+
+def _chunks(prompts, chunk: int | None):
+    """The prompts right-padded and cut into chunks of `chunk` tokens (None: the longest
+    prompt): per chunk, tokens [B, chunk], n_valid [B], each row's last index relative to the
+    chunk [B] and whether it lies in this chunk [B] (device arrays)."""
     lens = np.array([len(p) for p in prompts], np.int32)
     chunk = int(lens.max()) if chunk is None else int(chunk)
     if chunk < 1:
@@ -75,17 +92,12 @@ def prefill(params, prompts: Sequence[Sequence[int]], cache: KVCache, cfg: Model
     toks = np.zeros((len(prompts), n_chunks * chunk), np.int32)
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
-    # one chunk only: several would compile a second program for the first one
-    fresh = n_chunks == 1 and is_empty(cache)
-    last = None
     for c in range(n_chunks):
         start = c * chunk
-        n_valid = np.clip(lens - start, 0, chunk)
-        lg, cache = prefill_chunk(params, jnp.asarray(toks[:, start:start + chunk]), cache, cfg,
-                                  jnp.asarray(n_valid), jnp.asarray(lens - 1 - start), fresh)
-        ends_here = jnp.asarray((lens - 1 >= start) & (lens - 1 < start + chunk))[:, None]
-        last = lg if last is None else jnp.where(ends_here, lg, last)
-    return last, cache
+        yield (jnp.asarray(toks[:, start:start + chunk]),
+               jnp.asarray(np.clip(lens - start, 0, chunk).astype(np.int32)),
+               jnp.asarray((lens - 1 - start).astype(np.int32)),
+               jnp.asarray((lens - 1 >= start) & (lens - 1 < start + chunk)))
 
 
 def start(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], policy, fmt, *,
@@ -102,6 +114,23 @@ def start(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], policy, fm
     if policy.mode == "compress":
         cache = cache.compress(extra)
     return logits, cache
+
+
+def compile_start(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], policy, fmt, *,
+                  max_len: int | None = None, chunk: int | None = None, layout=None) -> bool:
+    """Compile what `start` runs for prompts of these lengths without running the model: the
+    empty cache and the prefill chunk's program (ahead of time, `jit(...).lower().compile()`),
+    so that a timed `start` runs compiled code only. Returns False, having compiled nothing
+    but the empty cache, in compress mode: its selection's programs are sized by the prompt
+    lengths on the host after the prefill (run `start` once to compile them)."""
+    max_len = cfg.max_seq_len if max_len is None else max_len
+    cache = init_cache(cfg, len(prompts), policy, fmt, max_len, layout)
+    if policy.mode == "compress":
+        return False
+    fresh = _one_chunk(prompts, chunk) and is_empty(cache)
+    toks, n_valid, last_idx, _ = next(_chunks(prompts, chunk))
+    prefill_chunk.lower(params, toks, cache, cfg, n_valid, last_idx, fresh).compile()
+    return True
 
 
 def decode(params, cfg: ModelConfig, logits, cache, n: int, *, temperature: float = 0.0,

@@ -240,3 +240,35 @@ def test_fresh_prefill_equals_scoring_the_empty_cache():
         np.testing.assert_allclose(outs[1][0], outs[0][0], atol=1e-6, rtol=0)
         for a, b in zip(jax.tree.leaves(outs[0][1]), jax.tree.leaves(outs[1][1])):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("layout, policy, chunk", [
+    ("dense", "lru", None), ("dense", "lru", 8), ("paged", "streaming", None)])
+def test_compile_start_leaves_nothing_to_compile(layout, policy, chunk):
+    """After `compile_start`, `start` traces and compiles no prefill program (the speed probe
+    times compiled code only) and gives what it gives without; compress mode reports that it
+    cannot compile ahead (its selection is sized at run time)."""
+    from jax import monitoring
+
+    from kvjax.cache import get_layout
+    from kvjax.generate import compile_start, start
+
+    cfg, p = _model("gqa", n_layers=3, d_model=48)  # shapes no other test compiles
+    lay = get_layout(layout, page_size=8) if layout == "paged" else get_layout(layout)
+    prompts = [list(range(1, 20)), list(range(3, 12))]
+    policy = get_policy(policy, budget=16, **({"window": 4} if policy == "lru" else {}))
+    args = (p, cfg, prompts, policy, F32)
+    names, listening = [], [True]  # JAX keeps the listener: it stops recording at the end
+    monitoring.register_event_duration_secs_listener(
+        lambda e, d, fun_name="", **_: listening[0] and names.append((e, fun_name)))
+    assert compile_start(*args, max_len=40, chunk=chunk, layout=lay)
+    compiled = [n for n in names if "prefill_chunk" in n[1]]
+    assert compiled, "compile_start compiled no prefill program"
+    names.clear()
+    logits, _ = start(*args, max_len=40, chunk=chunk, layout=lay)
+    assert not [n for n in names if "prefill_chunk" in n[1]], names
+    np.testing.assert_array_equal(logits, start(*args, max_len=40, chunk=chunk, layout=lay)[0])
+    listening[0] = False
+    if layout == "dense":  # the paged layout evicts by position only (no compress mode)
+        h2o = get_policy("h2o", budget=16, window=4, mode="compress")
+        assert not compile_start(p, cfg, prompts, h2o, F32, max_len=40, chunk=chunk, layout=lay)
