@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 from tokenizers import decoders, models, pre_tokenizers
 
 from kvjax.config import ModelConfig
-from kvjax.loading import hub, load_model
+from kvjax.loading import hub, load_model, weights_cache
 from kvjax.loading.gguf_loader import (
     SUPPORTED_TYPES,
     dequantize,
@@ -671,7 +671,7 @@ def test_weights_cache_equals_a_fresh_dequantization(tmp_path, monkeypatch, caps
     dequantization. The file is standard safetensors."""
     from safetensors import safe_open
 
-    from kvjax.loading import load_config, load_tokenizer, weights_cache
+    from kvjax.loading import load_config, load_tokenizer
 
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "c"))
     path = write_gguf(tmp_path / "m.gguf", hf_to_gguf(hf_weights(seed=5)), qtype=Q.Q8_0)
@@ -713,7 +713,9 @@ def test_damaged_weights_cache_is_rebuilt(tmp_path, monkeypatch, capsys, damage)
         data = data[:-100]
     else:
         data[8:20] = b"not json at"
+    mtime = f.stat().st_mtime_ns
     f.write_bytes(bytes(data))
+    os.utime(f, ns=(mtime + 10**9, mtime + 10**9))  # damaged later (not within one clock tick)
     _, params, _ = load_model(path)
     assert_params_equal(params, params0)
     lines = capsys.readouterr().err.strip().splitlines()
@@ -721,3 +723,30 @@ def test_damaged_weights_cache_is_rebuilt(tmp_path, monkeypatch, capsys, damage)
     assert str(f) in lines[0]
     _, params, _ = load_model(path)  # rebuilt: clean from now on
     assert isinstance(params["embed"], np.memmap) and capsys.readouterr().err == ""
+
+
+def test_weights_crc_runs_once_per_version_of_the_file(tmp_path, monkeypatch, capsys):
+    """The CRC32 of the cached weights runs on the first load of each version of the file; a
+    marker (size, mtime) vouches for it after that. Without the marker a flipped byte is
+    found even where size and mtime are the old ones; a rebuilt file is checked again."""
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "c"))
+    path = write_gguf(tmp_path / "m.gguf", hf_to_gguf(hf_weights(seed=7)))
+    load_model(path)
+    (f,) = _cached_files(tmp_path / "c")
+    calls = []
+    crc32 = weights_cache.data_crc32
+    monkeypatch.setattr(weights_cache, "data_crc32", lambda d: calls.append(1) or crc32(d))
+    load_model(path)
+    load_model(path)
+    assert len(calls) == 1 and hub.marker_path(f).is_file()
+    st = f.stat()
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0x40
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime: the marker's
+    hub.marker_path(f).unlink()  # ...but without it the CRC runs and finds the flip
+    load_model(path)
+    assert len(calls) == 2 and "are damaged" in capsys.readouterr().err
+    load_model(path)  # the rebuilt file: checked once more, then vouched for
+    load_model(path)
+    assert len(calls) == 3 and capsys.readouterr().err == ""

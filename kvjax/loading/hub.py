@@ -113,36 +113,39 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _marker_path(path: Path) -> Path:
+def marker_path(path: Path) -> Path:
     return path.with_name(path.name + ".verified")
 
 
-def _stamp(path: Path, sha256: str) -> dict:
+def _stamp(path: Path, **facts) -> dict:
     st = path.stat()
-    return {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {**facts, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _write_marker(path: Path, sha256: str) -> None:
-    marker = _marker_path(path)
+def write_marker(path: Path, **facts) -> None:
+    """Record beside `path` that it was checked and what was found (e.g. sha256=...), with its
+    size and mtime: `marker_ok` vouches for the same facts while the file stays unchanged."""
+    marker = marker_path(path)
     tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(_stamp(path, sha256)))
+    tmp.write_text(json.dumps(_stamp(path, **facts)))
     os.replace(tmp, marker)
 
 
-def _marker_ok(path: Path, sha256: str) -> bool:
+def marker_ok(path: Path, **facts) -> bool:
+    """A marker beside `path` recorded exactly these facts for the file as it is now."""
     try:
-        recorded = json.loads(_marker_path(path).read_text())
+        recorded = json.loads(marker_path(path).read_text())
     except (OSError, ValueError):
         return False
-    return recorded == _stamp(path, sha256)
+    return recorded == _stamp(path, **facts)
 
 
 def recorded_sha256(path: Path) -> str | None:
     """The sha256 a marker beside `path` recorded when it verified the file, if the file is
     still the one it saw (same size and mtime); else None."""
     try:
-        recorded = json.loads(_marker_path(path).read_text())
-        return recorded["sha256"] if recorded == _stamp(path, recorded["sha256"]) else None
+        recorded = json.loads(marker_path(path).read_text())
+        return recorded["sha256"] if recorded == _stamp(path, sha256=recorded["sha256"]) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -186,13 +189,13 @@ def file_problem(path: Path, spec: ModelSpec) -> str | None:
     if size != spec.size:
         return (f"{path} is {size} bytes but {spec.name} is {spec.size} bytes "
                 f"({'truncated' if size < spec.size else 'wrong file'})")
-    if _marker_ok(path, spec.sha256):
+    if marker_ok(path, sha256=spec.sha256):
         return None
     digest = sha256_file(path)
     if digest != spec.sha256:
         return (f"{path} has sha256 {digest} but {spec.name} must have {spec.sha256} "
                 "(corrupt or wrong file)")
-    _write_marker(path, spec.sha256)
+    write_marker(path, sha256=spec.sha256)
     return None
 
 
@@ -279,7 +282,7 @@ def fetch_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
         if problem is None:
             return target
         _say(f"the cached model file is damaged: {problem}; fetching it again")
-        _marker_path(target).unlink(missing_ok=True)
+        marker_path(target).unlink(missing_ok=True)
         target.unlink(missing_ok=True)
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -318,7 +321,7 @@ def _download_into(spec: ModelSpec, root: Path, target: Path) -> Path:
                 f"{spec.name} must have {spec.sha256} ({spec.size} bytes); refusing to cache it."
             )
         os.replace(part, target)
-        _write_marker(target, spec.sha256)
+        write_marker(target, sha256=spec.sha256)
         _say(f"model {spec.name} verified (sha256 {spec.sha256[:12]}...) and cached at {target}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
