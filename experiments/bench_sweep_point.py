@@ -1,6 +1,7 @@
 """Wall time of one sweep point (`python run.py ...`), cold and warm, phase by phase.
 
     python -m experiments.bench_sweep_point [--warm 3] [--out FILE.md] [-- run.py overrides]
+    python -m experiments.bench_sweep_point --against REV --warm 6   # before/after, interleaved
 
 Each run is a fresh `python run.py` process (default overrides: the main job, `policy=lru
 kv_dtype=int4`), timed from outside (wall and CPU seconds of the process). "cold" runs with an
@@ -8,6 +9,11 @@ empty `$KVJAX_CACHE` (no XLA cache, no dequantized weights; the GGUF is linked i
 download), "warm" runs then reuse that cache as a second run on the same machine does. Results
 go to a temporary store (`force=true`; W&B as configured, offline by default, into the run
 directory), so the user's store is untouched.
+
+`--against REV` measures the code of git revision REV (a temporary worktree) beside this
+checkout: each gets its own cache and a cold run, then their warm runs alternate (the order
+flips every round), so a noisy machine slows both alike. REV must have this script and the
+same `policies/` and `kernels/` (an editable install imports those from this checkout).
 
 Inside each process a small wrapper (`--child`) counts JAX's compilation-cache events (hits,
 misses: programs compiled) and times the phases: imports, planning (model header, tokenizer,
@@ -34,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN_JOB = ["policy=lru", "kv_dtype=int4"]
+CODE_PATHS = ("kvjax", "policies", "kernels", "run.py", "experiments")
 PHASES = ["imports", "plan", "load", "task", "baseline", "speed_probe", "wandb", "trace_lower",
           "backend_compile"]
 
@@ -90,14 +97,14 @@ def child(overrides: list[str]) -> None:
     }), flush=True)
 
 
-def one_run(cache: Path, out: Path, overrides: list[str], tag: str) -> dict:
+def one_run(cache: Path, out: Path, overrides: list[str], tag: str, root: Path = ROOT) -> dict:
     env = {**os.environ, "KVJAX_CACHE": str(cache)}
     cmd = [sys.executable, "-m", "experiments.bench_sweep_point", "--child", "--",
            *overrides, f"results={out / 'results.jsonl'}", "force=true",
            f"hydra.run.dir={out / tag}"]
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -144,10 +151,39 @@ def table(runs: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def against(rev: str, warm: int, tmp: Path, overrides: list[str]) -> dict[str, list[dict]]:
+    """Cold, then `warm` alternating warm runs of revision `rev` (a worktree) and this checkout."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              check=False)
+
+    if git("diff", "--quiet", rev, "--", "policies", "kernels").returncode != 0:
+        raise SystemExit(f"{rev} differs from this checkout in policies/ or kernels/, which an "
+                         "editable install imports from here: compare revisions that share them")
+    tree = tmp / "against"
+    made = git("worktree", "add", "--detach", str(tree), rev)
+    if made.returncode != 0:
+        raise SystemExit(f"git worktree add {rev}: {made.stderr.strip()}")
+    head = git("rev-parse", "--short", "HEAD").stdout.strip() + (
+        " + changes" if git("status", "--porcelain", "--", *CODE_PATHS).stdout.strip() else "")
+    sides = {f"{rev} warm": tree, f"{head} warm": ROOT}
+    caches = {name: fresh_cache(tmp / f"cache{i}") for i, name in enumerate(sides)}
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    for name, root in sides.items():
+        rec = one_run(caches[name], tmp, overrides, "cold", root)
+        print(f"{name.split()[0]} cold: {rec['wall_s']:.1f} s", flush=True)
+    for i in range(warm):
+        for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+            runs[name].append(one_run(caches[name], tmp, overrides, f"warm{i}", sides[name]))
+            print(f"{name} {i + 1}/{warm}: {runs[name][-1]['wall_s']:.1f} s", flush=True)
+    return runs
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warm", type=int, default=3, help="warm runs after the cold one")
     ap.add_argument("--out", default=None, help="also write the Markdown table here")
+    ap.add_argument("--against", metavar="REV", help="a git revision to measure beside this one")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="run.py overrides (default: the main job)")
     a = ap.parse_args(argv)
@@ -158,14 +194,18 @@ def main(argv=None):
         ap.error("--warm must be >= 1")
     tmp = Path(tempfile.mkdtemp(prefix="kvjax-sweep-point-"))
     try:
-        cache = fresh_cache(tmp / "cache")
-        runs = {"cold": [one_run(cache, tmp, overrides, "cold")], "warm": []}
-        print(f"cold: {runs['cold'][0]['wall_s']:.1f} s", flush=True)
-        for i in range(a.warm):
-            runs["warm"].append(one_run(cache, tmp, overrides, f"warm{i}"))
-            print(f"warm {i + 1}/{a.warm}: {runs['warm'][-1]['wall_s']:.1f} s", flush=True)
+        if a.against:
+            runs = against(a.against, a.warm, tmp, overrides)
+        else:
+            cache = fresh_cache(tmp / "cache")
+            runs = {"cold": [one_run(cache, tmp, overrides, "cold")], "warm": []}
+            print(f"cold: {runs['cold'][0]['wall_s']:.1f} s", flush=True)
+            for i in range(a.warm):
+                runs["warm"].append(one_run(cache, tmp, overrides, f"warm{i}"))
+                print(f"warm {i + 1}/{a.warm}: {runs['warm'][-1]['wall_s']:.1f} s", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
     text = (f"`python run.py {' '.join(overrides)}`, {os.cpu_count()} cores; medians\n\n"
             + table(runs))
     print(text)
