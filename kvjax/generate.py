@@ -67,7 +67,7 @@ def prefill(params, prompts: Sequence[Sequence[int]], cache: KVCache, cfg: Model
     chunk has the same shape, so the step compiles once. A prompt read in one chunk into an
     empty cache skips scoring the cache's empty slots (`forward(fresh=True)`).
     """
-    fresh = _one_chunk(prompts, chunk) and is_empty(cache)
+    fresh = _fresh(prompts, chunk, cache)
     last = None
     for toks, n_valid, last_idx, ends_here in _chunks(prompts, chunk):
         lg, cache = prefill_chunk(params, toks, cache, cfg, n_valid, last_idx, fresh)
@@ -75,9 +75,10 @@ def prefill(params, prompts: Sequence[Sequence[int]], cache: KVCache, cfg: Model
     return last, cache
 
 
-def _one_chunk(prompts, chunk: int | None) -> bool:
-    """The prompts fit one chunk (several would compile a second program for the first one)."""
-    return chunk is None or max(len(p) for p in prompts) <= int(chunk)
+def _fresh(prompts, chunk: int | None, cache) -> bool:
+    """`prefill_chunk(fresh=True)`: the prompts fit one chunk (several would compile a second
+    program for the first one) and `cache` holds no token yet."""
+    return (chunk is None or max(len(p) for p in prompts) <= int(chunk)) and is_empty(cache)
 
 
 def _chunks(prompts, chunk: int | None):
@@ -127,9 +128,9 @@ def compile_start(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], po
     cache = init_cache(cfg, len(prompts), policy, fmt, max_len, layout)
     if policy.mode == "compress":
         return False
-    fresh = _one_chunk(prompts, chunk) and is_empty(cache)
     toks, n_valid, last_idx, _ = next(_chunks(prompts, chunk))
-    prefill_chunk.lower(params, toks, cache, cfg, n_valid, last_idx, fresh).compile()
+    prefill_chunk.lower(params, toks, cache, cfg, n_valid, last_idx,
+                        _fresh(prompts, chunk, cache)).compile()
     return True
 
 
@@ -138,13 +139,11 @@ def decode(params, cfg: ModelConfig, logits, cache, n: int, *, temperature: floa
     """Sample n tokens per row from `logits` [B, V] on, feeding each back (`cache` donated).
     Returns (tokens [B, n] numpy, gathered from every process when rows are split over hosts,
     cache); the cache is checked for NaN/inf."""
-    greedy = temperature == 0.0  # no key to split (two small programs less to compile)
-    key = None if greedy else jax.random.PRNGKey(seed)
-    out = []
+    # greedy: no key to split (two small programs less to compile)
+    key = None if temperature == 0.0 else jax.random.PRNGKey(seed)
+    sub, out = None, []
     for _ in range(n):
-        if greedy:
-            sub = None
-        else:
+        if key is not None:
             key, sub = jax.random.split(key)
         tok = sample(logits, sub, temperature, top_p)
         out.append(tok)
