@@ -40,7 +40,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN_JOB = ["policy=lru", "kv_dtype=int4"]
-CODE_PATHS = ("kvjax", "policies", "kernels", "run.py", "experiments")
 PHASES = ["imports", "plan", "load", "task", "baseline", "speed_probe", "wandb", "trace_lower",
           "backend_compile"]
 
@@ -164,8 +163,10 @@ def against(rev: str, warm: int, tmp: Path, overrides: list[str]) -> dict[str, l
     made = git("worktree", "add", "--detach", str(tree), rev)
     if made.returncode != 0:
         raise SystemExit(f"git worktree add {rev}: {made.stderr.strip()}")
-    head = git("rev-parse", "--short", "HEAD").stdout.strip() + (
-        " + changes" if git("status", "--porcelain", "--", *CODE_PATHS).stdout.strip() else "")
+    from kvjax.experiment import git_info
+
+    info = git_info(ROOT, code_only=True)
+    head = (info["commit"] or "this checkout")[:7] + (" + changes" if info["dirty"] else "")
     sides = {f"{rev} warm": tree, f"{head} warm": ROOT}
     caches = {name: fresh_cache(tmp / f"cache{i}") for i, name in enumerate(sides)}
     runs: dict[str, list[dict]] = {name: [] for name in sides}
