@@ -16,8 +16,8 @@ _finished = False  # set once main() has returned: everything is written
 def _skip_teardown() -> None:
     """Registered first, so it runs after every other exit handler (W&B's flush, JAX's clean-up,
     after Python has joined the non-daemon threads): once a run has finished, leave without the
-    interpreter's teardown of every module and object, 0.5-0.9 s of each run with JAX and W&B
-    loaded (docs/benchmarks.md). A run that failed exits the ordinary way, with its code."""
+    interpreter's teardown of every module and object (start + exit of a warm main job: 1.02 ->
+    0.14 s, docs/benchmarks.md). A run that failed exits the ordinary way, with its code."""
     if _finished:
         logging.shutdown()
         sys.stdout.flush()

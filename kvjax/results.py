@@ -226,7 +226,7 @@ def prepare_wandb(mode: str) -> None:
             import wandb
 
             wandb.setup()
-            # what every wandb.init imports as its run starts (launch inputs, ~0.25 s)
+            # what every wandb.init imports as its run starts (launch inputs: most of its time)
             importlib.import_module("wandb.sdk.launch.inputs.internal")
 
     threading.Thread(target=warm, name="kvjax-wandb-warmup", daemon=True).start()

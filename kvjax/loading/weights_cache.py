@@ -193,7 +193,7 @@ def read(path: Path, gguf_sha256: str, cfg: ModelConfig) -> dict:
         raise CorruptWeights(f"tensors {sorted(entries)}, expected {sorted(expected_shapes)}")
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     crc = meta.get("kvjax.crc32")
-    if not marker_ok(path, crc32=crc):  # checked once per version of the file (0.2 s a run)
+    if not marker_ok(path, crc32=crc):  # checked once per version of the file
         if str(data_crc32(mm[start:])) != crc:
             raise CorruptWeights("the data's CRC32 does not match its header")
         with contextlib.suppress(OSError):  # a read-only cache: check again next time
@@ -210,7 +210,7 @@ def read(path: Path, gguf_sha256: str, cfg: ModelConfig) -> dict:
 
 
 def data_crc32(data) -> int:
-    """CRC32 of a cached file's data section (540 MB for the default model: ~0.2 s)."""
+    """CRC32 of a cached file's data section (540 MB for the default model)."""
     return zlib.crc32(data)
 
 
