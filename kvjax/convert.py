@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
+from kvjax.model import split_layers, stack_layers
 
 METHODS = ("mean", "first", "random")
 
@@ -31,7 +32,8 @@ def convert_kv_heads(params, cfg: ModelConfig, n_kv_heads: int, method: str = "m
     """(params, cfg) with `n_kv_heads` kv heads; a pure function (the inputs are unchanged).
 
     n_kv_heads must divide cfg.n_heads and be a multiple or a divisor of cfg.n_kv_heads;
-    `method` (among METHODS) applies when reducing; "random" needs a PRNG `key`."""
+    `method` (among METHODS) applies when reducing; "random" needs a PRNG `key`. Params come
+    back in the layout they came in (stacked or `split_layers`)."""
     K, H = cfg.n_kv_heads, cfg.n_heads
     if method not in METHODS:
         raise ValueError(f"method={method!r}; valid choices: {', '.join(METHODS)}")
@@ -44,7 +46,8 @@ def convert_kv_heads(params, cfg: ModelConfig, n_kv_heads: int, method: str = "m
                          f"model's {K} kv heads (each new head must map to whole old heads)")
     if method == "random" and n_kv_heads < K and key is None:
         raise ValueError("method='random' needs a PRNG key")
-    layers = dict(params["layers"])
+    split = any(isinstance(a, tuple) for a in params["layers"].values())
+    layers = dict(stack_layers(params, cfg)["layers"])
     for i, name in enumerate(("wk", "wv")):
         w = layers[name]  # [L, D, K, E]
         if n_kv_heads >= K:
@@ -60,4 +63,5 @@ def convert_kv_heads(params, cfg: ModelConfig, n_kv_heads: int, method: str = "m
             std = jnp.std(w, axis=(1, 2, 3), keepdims=True)  # [L, 1, 1, 1]
             noise = jax.random.normal(jax.random.fold_in(key, i), (L, D, n_kv_heads, E), w.dtype)
             layers[name] = std * noise  # [L, D, K', E]
-    return {**params, "layers": layers}, dataclasses.replace(cfg, n_kv_heads=n_kv_heads)
+    out = {**params, "layers": layers}
+    return split_layers(out) if split else out, dataclasses.replace(cfg, n_kv_heads=n_kv_heads)

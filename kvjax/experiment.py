@@ -503,9 +503,11 @@ def load_tokenizer(model: ModelSpec):
 
 @functools.lru_cache(maxsize=1)
 def load(model: ModelSpec) -> LoadedModel:
-    """The model on the device (cached in-process, so a sequential sweep loads it once)."""
+    """The model on the device (cached in-process, so a sequential sweep loads it once), its
+    layers split into one buffer per layer (`kvjax.model.split_layers`: decode reads each
+    weight in place instead of copying it out of a stacked array)."""
     from kvjax.config import tiny_config
-    from kvjax.model import to_device
+    from kvjax.model import split_layers, to_device
 
     t0 = time.perf_counter()
     if model.name == TINY:
@@ -513,7 +515,7 @@ def load(model: ModelSpec) -> LoadedModel:
             cfg = tiny_config(**dict(model.overrides))
         except TypeError as e:
             raise ConfigError(f"model.overrides: {e}") from None
-        params = tiny_params(cfg, model.init_seed)
+        params = split_layers(tiny_params(cfg, model.init_seed))
         tokenizer = load_tokenizer(model)
     else:
         from kvjax.loading import load_model
@@ -716,6 +718,31 @@ class Outcome:
     result: TaskResult | None = None
 
 
+def release_compiled_near_map_limit(fraction: float = 0.5) -> bool:
+    """Drop JAX's in-memory compiled programs (`jax.clear_caches`) when this process holds more
+    than `fraction` of Linux's limit on memory mappings (vm.max_map_count, 65530 by default);
+    True when it did. Elsewhere (no /proc) a no-op.
+
+    XLA:CPU maps three regions per compiled kernel, and a decode program over split layers
+    (`kvjax.model.split_layers`: one matrix-vector kernel per layer's matmul, in `lax.switch`
+    branches) holds ~800 mappings, ~4x a stacked one. A process that keeps compiling (a sweep of
+    points in one process, a test worker) reaches the limit, and then LLVM cannot allocate and
+    XLA crashes the process with SIGSEGV (reproduced with vm.max_map_count=1300). The programs
+    come back from the persistent cache or recompile.
+    """
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            held = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return False
+    if held <= fraction * limit:
+        return False
+    jax.clear_caches()
+    return True
+
+
 def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
             precomputed: tuple[TaskResult, float] | None = None) -> Outcome:
     """Run a planned point (or skip it if the store already holds its key). `precomputed`:
@@ -732,6 +759,7 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
             return Outcome(None, False, skipped=True, existing=existing)
     for note in plan_.notes:
         echo(f"note: {note}")
+    release_compiled_near_map_limit()
     t_start = time.perf_counter()
     model = load(spec.model)
     cfg = model.cfg

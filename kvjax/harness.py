@@ -197,7 +197,9 @@ def run_dir() -> Path:
 # Programs that compile faster than this are not written to the persistent cache. Loading an
 # XLA:CPU executable back can crash the process: a test worker died twice (SIGSEGV in
 # `backend.deserialize_executable`, loading a small jitted step) while every program was cached;
-# upstream has open reports (jax-ml/jax#28908). The floor keeps ~90 % of the compile time
+# upstream has open reports (jax-ml/jax#28908). The crashes seen on 2026-12-02 were the worker
+# reaching Linux's limit on memory mappings (`kvjax.experiment.release_compiled_near_map_limit`
+# now keeps processes below it). The floor keeps ~90 % of the compile time
 # cached with ~30 % of the programs (docs/benchmarks.md, "CI time"). JAX reads whatever a cache
 # folder holds, so the folder's name carries the floor (configs/config.yaml, tests/conftest.py).
 XLA_CACHE_MIN_COMPILE_S = 0.5

@@ -128,8 +128,10 @@ def _split(n: int, size: int, what: str, axis: str, reasons: list) -> str | None
 
 
 def param_specs(params, cfg, spec: MeshSpec) -> Sharding:
-    """Megatron-style specs for `kvjax.model.init_params`' layout (module docstring); anything
-    else, and an axis that does not divide mesh.model, replicated (with the reason)."""
+    """Megatron-style specs for `kvjax.model.init_params`' layout (module docstring) or its
+    `split_layers` form (per-layer [in, out] matrices: the heads or F axis flattened into
+    columns or rows, whole heads per device when kv heads divide); anything else, and an axis
+    that does not divide mesh.model, replicated (with the reason)."""
     reasons: list[str] = []
     sizes = {"heads": cfg.n_kv_heads, "F": cfg.d_ff, "V": cfg.vocab_size}
     names = {"heads": "kv heads (wq/wk/wv/wo)", "F": "MLP width F (w_gate/w_up/w_down)",
@@ -137,11 +139,13 @@ def param_specs(params, cfg, spec: MeshSpec) -> Sharding:
     split = {k: _split(n, spec.model, names[k], "model", reasons) for k, n in sizes.items()}
 
     def one(path, x):
-        name = getattr(path[-1], "key", None)
+        per_layer = isinstance(path[-1], jax.tree_util.SequenceKey)  # split_layers: [in, out]
+        name = getattr(path[-2 if per_layer else -1], "key", None)
         if name not in PARAM_AXES or split[PARAM_AXES[name][1]] is None:
             return P()
         axis, _ = PARAM_AXES[name]
-        if x.ndim != PARAM_NDIM[name]:
+        axis, ndim = (axis - 1, 2) if per_layer else (axis, PARAM_NDIM[name])
+        if x.ndim != ndim:
             reasons.append(f"{name}: shape {x.shape} is not the stacked layout; replicated")
             return P()
         dims = [None] * x.ndim

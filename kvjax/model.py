@@ -9,6 +9,8 @@ so the dense `KVCache` and the paged `kvjax.paged.PagedCache` run the same code.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,27 +39,93 @@ def init_params(cfg: ModelConfig, key, scale: float = 0.02):
     return params
 
 
-def to_device(params, dtype=jnp.float32):
-    """numpy params -> jax arrays of `dtype` (f32 on CPU: bf16 matmuls are slow there)."""
+def to_device(params, dtype=jnp.float32, split: bool = True):
+    """numpy params -> jax arrays of `dtype` (f32 on CPU: bf16 matmuls are slow there), the
+    layers split into one buffer per layer (`split_layers`) unless split=False."""
+    params = split_layers(params) if split else params
     return jax.tree.map(lambda x: jnp.asarray(np.asarray(x), dtype), params)
 
 
-def _layer(cfg: ModelConfig, lp, x, pos_new, cache: KVCache, layer, fresh: bool):
-    """One decoder layer over a chunk: the new residual stream and what to store where."""
-    h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)  # [B, T, D]
-    q = jnp.einsum("BTD,DHE->BTHE", h, lp["wq"])  # [B, T, H, E]
-    k = jnp.einsum("BTD,DKE->BTKE", h, lp["wk"])  # [B, T, K, E]
-    v = jnp.einsum("BTD,DKE->BTKE", h, lp["wv"])  # [B, T, K, E]
-    view = cache.layer_view(layer, fresh)
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def _in_dims(name: str) -> int:
+    """How many leading axes of a layer matrix its input contracts: wo [H, E, D] two, the
+    others ([D, H, E], [D, K, E], [D, F], [F, D]) one."""
+    return 2 if name == "wo" else 1
+
+
+def split_layers(params):
+    """Each layer matrix stacked as [L, ...] -> a tuple of L matrices [in, out] (wq [D, H·E],
+    wo [H·E, D], ...), one buffer per layer (numpy in: views; arrays in: copies). Norm
+    weights stay stacked. `forward` takes either layout.
+
+    Why: inside the layer scan a stacked matrix's layer is a dynamic slice, and XLA:CPU copies
+    it out before every matmul (a buffer has no views at a traced offset); a batch-1 decode step
+    then moves each weight three times instead of reading it once. With one buffer per layer
+    the scan picks the layer's matrix with `lax.switch`, and the matmul reads it in place
+    (`python -m experiments.bench_decode_floor` measures both). Two-dimensional, so the switch's
+    branches hold the matmuls alone (no reshapes, which XLA turns into a copy kernel per
+    branch). Training and conversion work on the stacked layout (`stack_layers` undoes this).
+    """
+    def split(n, a):
+        if n not in MATRICES or isinstance(a, tuple):
+            return a
+        rows = int(np.prod(a.shape[1:1 + _in_dims(n)]))
+        return tuple(a[i].reshape(rows, -1) for i in range(a.shape[0]))
+
+    return {**params, "layers": {n: split(n, a) for n, a in params["layers"].items()}}
+
+
+def stack_layers(params, cfg: ModelConfig):
+    """The inverse of `split_layers` (a no-op on stacked params)."""
+    H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    shape = {"wq": (-1, H, E), "wk": (-1, K, E), "wv": (-1, K, E), "wo": (H, E, -1)}
+
+    def stack(n, a):
+        if not isinstance(a, tuple):
+            return a
+        xp = np if isinstance(a[0], np.ndarray) else jnp
+        return xp.stack([m.reshape(shape.get(n, m.shape)) for m in a])
+
+    return {**params, "layers": {n: stack(n, a) for n, a in params["layers"].items()}}
+
+
+def _dots(layers, layer, lo, hi, x, *names):
+    """x [B, T, I] times the matrices `names` of layer `layer` (traced; in lo..hi-1, the group
+    the scan runs), each [I, O] once flattened: a [B, T, O] per name. Stacked matrices are
+    sliced; split ones are picked by a `lax.switch` whose branches hold only the matmuls."""
+    B, T, I = x.shape
+    x = x.reshape(B * T, I)
+    ws = [layers[n] for n in names]
+    if isinstance(ws[0], tuple):
+        def branch(i, x):
+            return tuple(jnp.dot(x, w[i]) for w in ws)  # [B·T, O]
+
+        outs = jax.lax.switch(layer - lo, [functools.partial(branch, i) for i in range(lo, hi)], x)
+    else:
+        outs = tuple(jnp.dot(x, w[layer].reshape(I, -1)) for w in ws)
+    return tuple(o.reshape(B, T, -1) for o in outs)
+
+
+def _layer(cfg: ModelConfig, layers, lo, hi, x, pos_new, cache: KVCache, layer, fresh: bool):
+    """One decoder layer (`layer` of the group lo..hi-1 that `cache` holds) over a chunk: the
+    new residual stream and what to store where."""
+    B, T, _ = x.shape
+    H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h = rms_norm(x, layers["attn_norm"][layer], cfg.norm_eps)  # [B, T, D]
+    q, k, v = _dots(layers, layer, lo, hi, h, "wq", "wk", "wv")
+    q = q.reshape(B, T, H, E)
+    k, v = k.reshape(B, T, K, E), v.reshape(B, T, K, E)
+    view = cache.layer_view(layer - lo, fresh)
     with jax.named_scope("attention"):  # RoPE at the cache's positions, then attention
         out, probs = cache.attend(view, q, k, v, pos_new, cfg.rope_theta)  # [B, T, H, E]
     with jax.named_scope("policy"):
         write = cache.update(view, k, v, pos_new, probs, cfg.rope_theta)
-    x = x + jnp.einsum("BTHE,HED->BTD", out, lp["wo"])
-    h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
-    gate = jnp.einsum("BTD,DF->BTF", h, lp["w_gate"])  # [B, T, F]
-    up = jnp.einsum("BTD,DF->BTF", h, lp["w_up"])
-    return x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"]), write
+    x = x + _dots(layers, layer, lo, hi, out.reshape(B, T, H * E), "wo")[0]  # [B, T, D]
+    h = rms_norm(x, layers["mlp_norm"][layer], cfg.norm_eps)
+    gate, up = _dots(layers, layer, lo, hi, h, "w_gate", "w_up")  # [B, T, F]
+    return x + _dots(layers, layer, lo, hi, jax.nn.silu(gate) * up, "w_down")[0], write
 
 
 def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None, logits_at=None,
@@ -85,10 +153,8 @@ def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None, logi
     # the whole stacked cache every layer; split, every write is an in-place scatter.
     done = []
     for lo, hi, seg in cache.segments():
-
-        def body(x, layer, seg=seg, lo=lo):
-            lp = jax.tree.map(lambda a: a[layer], params["layers"])
-            return _layer(cfg, lp, x, pos_new, seg, layer - lo, fresh)
+        def body(x, layer, seg=seg, lo=lo, hi=hi):
+            return _layer(cfg, params["layers"], lo, hi, x, pos_new, seg, layer, fresh)
 
         x, writes = jax.lax.scan(body, x, jnp.arange(lo, hi, dtype=jnp.int32))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvjax.experiment import release_compiled_near_map_limit
 from kvjax.harness import XLA_CACHE_MIN_COMPILE_S, set_xla_cache
 from kvjax.loading.hub import cache_root
 
@@ -23,6 +24,14 @@ DATA = Path(__file__).parent / "data"
 # it; with no cache at all the cold CI run took 29 min of CPU, not 26.5 (docs/benchmarks.md,
 # "CI time"). A folder of its own, named by the floor, as JAX loads whatever a folder holds.
 set_xla_cache(str(cache_root() / f"xla-tests-{XLA_CACHE_MIN_COMPILE_S}s"))
+
+
+@pytest.fixture(autouse=True)
+def _map_limit():
+    """A test worker compiles hundreds of programs; past half of vm.max_map_count it drops the
+    compiled ones (`release_compiled_near_map_limit`: at the limit XLA crashes the worker)."""
+    yield
+    release_compiled_near_map_limit()
 
 
 @pytest.fixture(scope="session")

@@ -143,6 +143,13 @@ def test_what_does_not_divide_is_replicated_with_a_reason():
     p = param_specs(params, cfg, MeshSpec(model=2))
     assert p.reasons == ("kv heads (wq/wk/wv/wo): 3 do not divide over mesh.model=2; replicated",)
     assert tuple(p.specs["layers"]["wq"]) == () and tuple(p.specs["layers"]["w_up"])[2] == "model"
+    from kvjax.model import split_layers  # per-layer [in, out] matrices: the same axes
+
+    s = param_specs(jax.eval_shape(split_layers, params), cfg, MeshSpec(model=2)).specs["layers"]
+    assert len(s["wq"]) == cfg.n_layers and all(tuple(w) == () for w in s["wq"])
+    assert tuple(s["w_up"][0]) == (None, "model") and tuple(s["w_down"][1]) == ("model", None)
+    s = param_specs(jax.eval_shape(split_layers, params), cfg, MeshSpec(model=3)).specs["layers"]
+    assert tuple(s["wq"][0]) == (None, "model") and tuple(s["wo"][0]) == ("model", None)
 
 
 def test_head_pool_shards_batch_only_and_paged_is_refused():

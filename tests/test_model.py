@@ -272,3 +272,52 @@ def test_compile_start_leaves_nothing_to_compile(layout, policy, chunk):
     if layout == "dense":  # the paged layout evicts by position only (no compress mode)
         h2o = get_policy("h2o", budget=16, window=4, mode="compress")
         assert not compile_start(p, cfg, prompts, h2o, F32, max_len=40, chunk=chunk, layout=lay)
+
+
+@pytest.mark.parametrize("layout, policy", [
+    ("dense", "full"), ("dense", "h2o"), ("dense", "pyramid"), ("paged", "streaming")])
+def test_split_layers_give_what_stacked_layers_give(layout, policy):
+    """`split_layers` (one buffer per layer, picked by `lax.switch`) runs the same matmuls as
+    the stacked layout: the same logits and cache through a chunked prefill and decode steps,
+    for a uniform cache, an evicting policy, layer groups and pages; `stack_layers` undoes it."""
+    from kvjax.cache import get_layout
+    from kvjax.model import split_layers, stack_layers
+
+    cfg, p = _model("gqa", n_layers=4)
+    sp = split_layers(p)
+    assert isinstance(sp["layers"]["wq"], tuple) and len(sp["layers"]["wq"]) == 4
+    D, H, E = cfg.d_model, cfg.n_heads, cfg.head_dim
+    assert sp["layers"]["wq"][2].shape == (D, H * E) and sp["layers"]["wo"][0].shape == (H * E, D)
+    assert sp["layers"]["attn_norm"] is p["layers"]["attn_norm"]  # norms stay stacked
+    for a, b in zip(jax.tree.leaves(stack_layers(sp, cfg)), jax.tree.leaves(p)):
+        np.testing.assert_array_equal(a, b)
+    assert jax.tree.structure(split_layers(sp)) == jax.tree.structure(sp)
+    kw = {"full": {}, "h2o": {"budget": 12, "window": 4},
+          "pyramid": {"budget": 12, "window": 4, "n_groups": 2, "taper": 3.0},
+          "streaming": {"budget": 16, "n_sink": 4}}[policy]
+    pol = get_policy(policy, **kw)
+    lay = get_layout(layout, page_size=8) if layout == "paged" else get_layout(layout)
+    ids = _ids(cfg, 2, 24)
+    outs = []
+    for params in (p, sp):
+        cache = lay.init(cfg, 2, pol, F32, 32)
+        logits, cache = prefill(params, [ids[0, :17].tolist(), ids[1, :9].tolist()], cache, cfg,
+                                chunk=8)
+        steps = [logits]
+        for t in range(17, 22):
+            logits, cache = decode_step(params, ids[:, t], cache, cfg)
+            steps.append(logits)
+        outs.append((steps, cache))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+def test_compiled_programs_are_dropped_near_the_map_limit():
+    """`release_compiled_near_map_limit` clears JAX's compiled programs once the process holds
+    more than its fraction of vm.max_map_count (XLA crashes at the limit), and only then."""
+    from kvjax.experiment import release_compiled_near_map_limit
+
+    f = jax.jit(lambda x: x * 3 + 1)
+    f(jnp.ones(5))
+    assert not release_compiled_near_map_limit(1.0) and f._cache_size() == 1
+    assert release_compiled_near_map_limit(0.0) and f._cache_size() == 0

@@ -13,7 +13,7 @@ from kvjax.cache import init_cache
 from kvjax.config import tiny_config
 from kvjax.convert import convert_kv_heads
 from kvjax.formats import get_format
-from kvjax.model import forward_jit, init_params
+from kvjax.model import forward_jit, init_params, split_layers
 from kvjax.policies import get_policy
 from kvjax.train import TrainConfig, lm_loss, restore_params, save_params, train
 
@@ -43,6 +43,10 @@ def test_expanding_to_mha_keeps_the_logits_at_k_fold_kv_bytes(params):
     assert 2.9 < c_mha.nbytes() / c_gqa.nbytes() <= 3
     # kv head j of the MHA model is kv head j // 3 of the original
     np.testing.assert_array_equal(mha["layers"]["wv"][:, :, 4], params["layers"]["wv"][:, :, 1])
+    split, _ = convert_kv_heads(split_layers(params), CFG, CFG.n_heads)  # the layout it was given
+    assert isinstance(split["layers"]["wk"], tuple)
+    for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(split_layers(mha))):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_reducing_builds_mean_first_and_scaled_random_heads(params):
