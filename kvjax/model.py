@@ -1,8 +1,10 @@
 """The functional decoder: params pytree + `forward(params, tokens, cache, cfg)`.
 
 Prefill, decode (T = 1) and streaming perplexity are the same call on chunks of T >= 1 tokens.
-Layers run under `jax.lax.scan` over stacked params, so compile time does not grow with depth;
-a second scan stores each layer's new slots in place. The model talks to the cache only through
+Layers run under `jax.lax.scan`, so compile time does not grow with depth, over params whose
+layer matrices are stacked [L, ...] (training, conversion) or split into one buffer per layer
+(`split_layers`, what inference loads: the matmuls read them in place); a second scan stores
+each layer's new slots in place. The model talks to the cache only through
 its protocol (`begin`, `layer_view`, `attend`, `update`, `store`, `finish`; see kvjax/cache.py),
 so the dense `KVCache` and the paged `kvjax.paged.PagedCache` run the same code.
 """
