@@ -1,6 +1,7 @@
 """Where a batch-1 decode step's time goes on CPU: the full step against the weight matmuls alone.
 
-    python -m experiments.bench_decode_floor              # SmolLM2-135M, f32, ~2 min
+    python -m experiments.bench_decode_floor              # SmolLM2-135M, f32, ~1 min
+    python -m experiments.bench_decode_floor --prefill 512 2048   # and prefill, ~3 min more
 
 Side by side, interleaved: `generate.decode_step` (cache donated) with a full cache holding
 8, 128 and 1024 tokens, and a scan over the 30 layers doing only the seven projections of each
@@ -21,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_formats import emit, header, load_real
+from experiments.bench_formats import TEXT_IDS, emit, header, load_real
 from kvjax.cache import KVCache
 from kvjax.formats import get_format
-from kvjax.generate import decode_step
+from kvjax.generate import decode_step, prefill
 from kvjax.model import _dots, split_layers, stack_layers
 from kvjax.policies import get_policy
 
@@ -56,6 +57,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--contexts", type=int, nargs="+", default=[8, 128, 1024])
+    ap.add_argument("--prefill", type=int, nargs="*", default=[],
+                    help="also time one-chunk prefills of these prompt lengths, both layouts")
+    ap.add_argument("--prefill-reps", type=int, default=5)
     ap.add_argument("--out", help="also write the Markdown to this file")
     args = ap.parse_args(argv)
     cfg, split = load_real()
@@ -100,7 +104,38 @@ def main(argv=None) -> None:
         ms = 1e3 * float(np.median(ts))
         lines.append(f"| {label} | {ms:.1f} | {ms / 1e3 / floor:.2f}x | "
                      f"{weight_bytes / 1e9 / (ms / 1e3):.1f} |")
+    if args.prefill:
+        lines += ["", *prefill_table(cfg, layouts, args.prefill, args.prefill_reps)]
     emit(lines, args.out)
+
+
+def prefill_table(cfg, layouts, lengths, reps) -> list[str]:
+    """One-chunk prefills of the default text's first n tokens into a full cache, the layouts
+    interleaved: the matmuls there are [n, D] x [D, F], where a weight copy weighs less."""
+    ids = np.load(TEXT_IDS).tolist()
+
+    def run(lay, n):
+        c = KVCache.init(cfg, 1, get_policy("full"), get_format("f32"), n)
+        return prefill(layouts[lay], [ids[:n]], c, cfg)[0]
+
+    runs = {(lay, n): functools.partial(run, lay, n) for n in lengths for lay in layouts}
+    jax.block_until_ready([f() for f in runs.values()])  # compile
+    times: dict = {k: [] for k in runs}
+    for _ in range(reps):
+        for k, f in runs.items():
+            t = time.perf_counter()
+            jax.block_until_ready(f())
+            times[k].append(time.perf_counter() - t)
+    out = [f"### One-chunk prefill ({reps} interleaved repetitions: median, min-max)", "",
+           "| prompt | " + " | ".join(f"{lay} layers" for lay in layouts) + " | stacked / split |",
+           "|---|" + "---:|" * (len(layouts) + 1)]
+    for n in lengths:
+        med = {lay: float(np.median(times[lay, n])) for lay in layouts}
+        cells = [f"{med[lay]:.3f} s ({min(times[lay, n]):.2f}-{max(times[lay, n]):.2f})"
+                 for lay in layouts]
+        out.append(f"| {n} tokens | " + " | ".join(cells)
+                   + f" | {med['stacked'] / med['split']:.2f}x |")
+    return out
 
 
 if __name__ == "__main__":
