@@ -504,10 +504,9 @@ def load_tokenizer(model: ModelSpec):
 @functools.lru_cache(maxsize=1)
 def load(model: ModelSpec) -> LoadedModel:
     """The model on the device (cached in-process, so a sequential sweep loads it once), its
-    layers split into one buffer per layer (`kvjax.model.split_layers`: decode reads each
-    weight in place instead of copying it out of a stacked array)."""
+    layers split into one buffer per layer (`kvjax.model.to_device`)."""
     from kvjax.config import tiny_config
-    from kvjax.model import split_layers, to_device
+    from kvjax.model import to_device
 
     t0 = time.perf_counter()
     if model.name == TINY:
@@ -515,13 +514,13 @@ def load(model: ModelSpec) -> LoadedModel:
             cfg = tiny_config(**dict(model.overrides))
         except TypeError as e:
             raise ConfigError(f"model.overrides: {e}") from None
-        params = split_layers(tiny_params(cfg, model.init_seed))
+        params = tiny_params(cfg, model.init_seed)
         tokenizer = load_tokenizer(model)
     else:
         from kvjax.loading import load_model
 
         cfg, params, tokenizer = load_model(model.name)
-        params = to_device(params)
+    params = to_device(params)
     jax.block_until_ready(params)
     return LoadedModel(cfg, params, tokenizer, time.perf_counter() - t0)
 

@@ -146,7 +146,8 @@ def param_specs(params, cfg, spec: MeshSpec) -> Sharding:
         axis, _ = PARAM_AXES[name]
         axis, ndim = (axis - 1, 2) if per_layer else (axis, PARAM_NDIM[name])
         if x.ndim != ndim:
-            reasons.append(f"{name}: shape {x.shape} is not the stacked layout; replicated")
+            reasons.append(f"{name}: shape {x.shape} is not the stacked or split layout; "
+                           "replicated")
             return P()
         dims = [None] * x.ndim
         dims[axis] = "model"

@@ -41,20 +41,14 @@ def init_params(cfg: ModelConfig, key, scale: float = 0.02):
     return params
 
 
-def to_device(params, dtype=jnp.float32, split: bool = True):
+def to_device(params, dtype=jnp.float32):
     """numpy params -> jax arrays of `dtype` (f32 on CPU: bf16 matmuls are slow there), the
-    layers split into one buffer per layer (`split_layers`) unless split=False."""
-    params = split_layers(params) if split else params
-    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x), dtype), params)
+    layers split into one buffer per layer (`split_layers`, on the host: views, no device op)."""
+    host = split_layers(jax.tree.map(np.asarray, params))
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype), host)
 
 
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
-def _in_dims(name: str) -> int:
-    """How many leading axes of a layer matrix its input contracts: wo [H, E, D] two, the
-    others ([D, H, E], [D, K, E], [D, F], [F, D]) one."""
-    return 2 if name == "wo" else 1
 
 
 def split_layers(params):
@@ -73,7 +67,7 @@ def split_layers(params):
     def split(n, a):
         if n not in MATRICES or isinstance(a, tuple):
             return a
-        rows = int(np.prod(a.shape[1:1 + _in_dims(n)]))
+        rows = int(np.prod(a.shape[1:3 if n == "wo" else 2]))  # wo [H, E, D]: input H·E
         return tuple(a[i].reshape(rows, -1) for i in range(a.shape[0]))
 
     return {**params, "layers": {n: split(n, a) for n, a in params["layers"].items()}}
