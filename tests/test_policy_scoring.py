@@ -82,8 +82,9 @@ def _score(kind, A, keys, state, k, j, t_last, per_head=False, **_):
     """The reference's keep score of position j in head k (higher = keep)."""
     if kind in ("h2o", "lru"):
         return state[k][j]
-    if kind == "knorm":  # higher norm = lower score
-        return -float(np.sum(keys[j, k].astype(np.float64) ** 2))
+    if kind == "knorm":  # higher norm = lower score; float32 as the policy keeps it, so two
+        # keys whose norms round to one float32 tie, and the older one goes, as in the policy
+        return -float(np.float32(np.sqrt(np.sum(keys[j, k].astype(np.float64) ** 2))))
     if kind == "tova":  # the current (last) query's attention
         if per_head:
             return np.float32(A[k, t_last, j])
