@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.bench_formats import emit, header
-from kvjax.attention import MASKED, attention
+from kvjax.attention import MASKED, _sum_groups, attention
 
 K, G, E, LAYERS = 3, 3, 64, 30  # SmolLM2-135M
 
@@ -152,6 +152,28 @@ def prefill_ab(tokens: list[int], reps: int, blocks: str) -> list[str]:
     return lines
 
 
+def group_sum(shapes: list[str], reps: int) -> list[str]:
+    """The probabilities scoring policies read, summed over the G query heads of each kv group
+    ([B, K, G, T, S] -> [B, K, T, S]), as one reduce over that middle axis and as
+    `kvjax.attention._sum_groups`'s G - 1 adds (results checked equal first)."""
+    lines = ["", f"### Attention probabilities summed over the {G} query heads of a kv group "
+                 f"({reps} interleaved repetitions, median, ms per layer)", "",
+             "| [B, K, G, T, S] | reduce over G | adds (kvjax) | speed-up |", "|---|---:|---:|---:|"]
+    rng = np.random.default_rng(0)
+    for shape in shapes:
+        T, S = (int(x) for x in shape.split("x"))
+        x = jnp.asarray(rng.random((1, K, G, T, S)), jnp.float32)
+        fns = {"reduce": jax.jit(lambda x: jnp.sum(x * 0.5, axis=2)),
+               "adds": jax.jit(lambda x: _sum_groups(x * 0.5))}
+        err = float(jnp.max(jnp.abs(fns["reduce"](x) - fns["adds"](x))))
+        if err > 1e-5:
+            raise SystemExit(f"group sums differ by {err:.2e}")
+        med = interleaved(fns, (x,), reps)
+        lines.append(f"| [1, {K}, {G}, {T}, {S}] | {1e3 * med['reduce']:.2f} | "
+                     f"{1e3 * med['adds']:.2f} | {med['reduce'] / med['adds']:.2f}x |")
+    return lines
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
@@ -162,8 +184,16 @@ def main(argv=None) -> None:
                     help="also time the real model's prefill of these many tokens")
     ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--prefill-blocks", default="256x256", help="QxK blocks of the online softmax")
+    ap.add_argument("--group-sum", nargs="*", metavar="TxS", default=None,
+                    help="only time the group sum of T queries' probabilities over S keys "
+                         "(default shapes: a 128-token chunk over a 256-slot cache, a 256-token "
+                         "prompt, a 512-token chunk over 1024 slots)")
     ap.add_argument("--out", help="also write the Markdown to this file")
     args = ap.parse_args(argv)
+    if args.group_sum is not None:
+        shapes = args.group_sum or ["128x384", "256x512", "512x1536"]
+        emit([header("bench_attention_blocks", argv), *group_sum(shapes, args.reps)], args.out)
+        return
     T = args.tokens
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, T, K * G, E)), jnp.float32)

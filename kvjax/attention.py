@@ -54,6 +54,16 @@ def rope(x, positions, theta: float, table=None):
     return out.astype(x.dtype)
 
 
+def _sum_groups(x):
+    """[B, K, G, T, S] -> [B, K, T, S], summed over the G query heads as G - 1 elementwise adds:
+    XLA:CPU runs a reduce over that middle axis several times slower than the adds
+    (`python -m experiments.bench_attention_blocks --group-sum` measures both)."""
+    out = x[:, :, 0]
+    for g in range(1, x.shape[2]):
+        out = out + x[:, :, g]
+    return out
+
+
 def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache, cache_empty=False):
     """Causal GQA attention of a chunk over the cache plus the chunk itself.
 
@@ -133,8 +143,8 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache, cache_empty
     if cache_empty:  # no slot was scored: zero weight on every one
         p_cache = jnp.zeros((B, K, T, k_cache.shape[2]), jnp.float32)
     else:
-        p_cache = jnp.sum(e_cache * inv[..., None], axis=2)  # [B, K, T, C]
+        p_cache = _sum_groups(e_cache * inv[..., None])  # [B, K, T, C]
     p_new = jnp.concatenate(
-        [jnp.pad(jnp.sum(e * inv[..., t0:t1, None], axis=2), ((0, 0), (0, 0), (0, 0), (0, T - t1)))
+        [jnp.pad(_sum_groups(e * inv[..., t0:t1, None]), ((0, 0), (0, 0), (0, 0), (0, T - t1)))
          for (t0, t1), e in zip(blocks, e_new)], axis=2)  # [B, K, T, T]
     return out.astype(q.dtype), jnp.concatenate([p_cache, p_new], axis=-1)  # [B, K, T, C + T]
