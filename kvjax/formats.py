@@ -692,7 +692,7 @@ class _IntFormat(KVFormat):
     def _write_channel(self, store, layer, slots, x):
         """Per-channel keys: plan every (row, head) with `_channel_plan`, then scatter."""
         C = store["q"].shape[3]
-        plan = jax.vmap(jax.vmap(lambda *a: _channel_plan(*a, bits=self.bits, C=C)))(
+        plan = _channel_plan(
             _layer(store["res"], layer),  # [B, K, S, g, E]
             _layer(store["res_group"], layer),  # [B, K, S]
             _layer(store["res_mask"], layer),  # [B, K, S, g]
@@ -700,6 +700,7 @@ class _IntFormat(KVFormat):
             _layer(store["czero"], layer),  # [B, K, NG, E]
             slots,  # [B, K, T]
             x.astype(jnp.float32),  # [B, K, T, E]
+            bits=self.bits, C=C,
         )
         out = dict(store)
         for n in ("q", "scale", "zero"):
@@ -720,80 +721,98 @@ def _residual_slots(res_group, res_mask, C: int):
 
 
 def _channel_plan(res, res_group, res_mask, cs, cz, slots, x, *, bits: int, C: int):
-    """One (row, kv head) of a per-channel key write; see `_IntFormat` for the rule.
+    """A per-channel key write of every (row, kv head) at once; see `_IntFormat` for the rule.
 
-    res [S, g, E], res_group [S], res_mask [S, g]: the residual (entry 0 newest);
-    cs, cz [NG, E]: stored per-channel params; slots [T]; x [T, E].
+    Leading dims [...] (e.g. [B, K], or none): res [..., S, g, E], res_group [..., S],
+    res_mask [..., S, g]: the residual (entry 0 newest); cs, cz [..., NG, E]: stored
+    per-channel params; slots [..., T]; x [..., T, E].
     Returns rows to scatter (dest slot, packed codes, per-token fallback params), per-token
-    rows of group params (meta_dest group, cscale, czero) and the new residual.
+    rows of group params (meta_dest group, cscale, czero) and the new residual, each with the
+    leading dims. Written over a flat [M] of them with explicit indices rather than under
+    `vmap`: the same ops, but tracing the vmapped scatters took ~0.4 s of every program that
+    writes int4/int2 keys (`python -m experiments.bench_sweep_point` measures a point).
     """
-    S, g, E = res.shape
-    T = slots.shape[0]
+    lead = slots.shape[:-1]
+    S, g, E = res.shape[-3:]
+    T = slots.shape[-1]
+    M = math.prod(lead)
     NG = C // g
+    res, res_group = res.reshape(M, S, g, E), res_group.reshape(M, S)
+    res_mask, slots, x = res_mask.reshape(M, S, g), slots.reshape(M, T), x.reshape(M, T, E)
+    cs, cz = cs.reshape(M, NG, E), cz.reshape(M, NG, E)
+    m = jnp.arange(M)[:, None]  # [M, 1]
+
+    def at_group(a, idx):  # a [M, NG+1, ...] at idx [M, N] -> [M, N, ...]
+        return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
+
     # the working set: the residual's keys, then the new chunk
     new_ok = (slots >= 0) & (slots < C)
-    new_slot = jnp.where(new_ok, slots, C)  # [T]
-    hit = jnp.zeros((C + 1,), bool).at[new_slot].set(True)  # [C+1] slots the chunk overwrites
-    old_slot = _residual_slots(res_group, res_mask, C)  # [S*g]
-    old_slot = jnp.where(hit[old_slot], C, old_slot)
-    slot = jnp.concatenate([old_slot, new_slot])  # [N]
-    xs = jnp.concatenate([res.reshape(S * g, E), jnp.where(new_ok[:, None], x, 0.0)])  # [N, E]
+    new_slot = jnp.where(new_ok, slots, C)  # [M, T]
+    hit = jnp.zeros((M, C + 1), bool).at[m, new_slot].set(True)  # [M, C+1] slots overwritten
+    old_slot = _residual_slots(res_group, res_mask, C)  # [M, S*g]
+    old_slot = jnp.where(jnp.take_along_axis(hit, old_slot, axis=1), C, old_slot)
+    slot = jnp.concatenate([old_slot, new_slot], axis=1)  # [M, N]
+    xs = jnp.concatenate([res.reshape(M, S * g, E), jnp.where(new_ok[..., None], x, 0.0)],
+                         axis=1)  # [M, N, E]
     stamp = jnp.concatenate([jnp.repeat(S - jnp.arange(S), g), S + 1 + jnp.arange(T)])  # [N]
     valid = slot < C
-    gid = jnp.where(valid, slot // g, NG)  # [N]; NG collects the invalid rows
+    gid = jnp.where(valid, slot // g, NG)  # [M, N]; NG collects the invalid rows
     # group states: complete (all g slots written since it entered), recency
-    count = jax.ops.segment_sum(valid.astype(jnp.int32), gid, NG + 1)  # [NG+1]
-    touched = (count > 0).at[NG].set(False)
-    complete = (count == g).at[NG].set(False)
-    recency = jax.ops.segment_max(jnp.where(valid, stamp, 0), gid, NG + 1)  # [NG+1]
-    top, keep = jax.lax.top_k(jnp.where(touched, recency, 0), S)  # [S] newest first
+    count = jnp.zeros((M, NG + 1), jnp.int32).at[m, gid].add(valid.astype(jnp.int32))
+    touched = (count > 0).at[:, NG].set(False)  # [M, NG+1]
+    complete = (count == g).at[:, NG].set(False)
+    recency = jnp.zeros((M, NG + 1), stamp.dtype).at[m, gid].max(jnp.where(valid, stamp, 0))
+    top, keep = jax.lax.top_k(jnp.where(touched, recency, 0), S)  # [M, S] newest first
     keep = jnp.where(top > 0, keep, -1).astype(jnp.int32)
-    match = gid[:, None] == keep[None, :]  # [N, S]
+    match = gid[:, :, None] == keep[:, None, :]  # [M, N, S]
     stay = valid & match.any(-1)
-    seal = valid & complete[gid] & ~stay
-    flush = valid & ~complete[gid] & ~stay
+    done = at_group(complete, gid)  # [M, N]
+    seal = valid & done & ~stay
+    flush = valid & ~done & ~stay
     # fresh per-channel params for groups sealed now
-    lo = jax.ops.segment_min(jnp.where(seal[:, None], xs, jnp.inf), gid, NG + 1)[gid]  # [N, E]
-    hi = jax.ops.segment_max(jnp.where(seal[:, None], xs, -jnp.inf), gid, NG + 1)[gid]
-    new_cs, new_cz = asym_params(
-        jnp.where(seal[:, None], lo, 0.0), jnp.where(seal[:, None], hi, 0.0), bits
-    )
-    pad = jnp.zeros((1, E), META_DTYPE)
-    ch_cs = jnp.where(seal[:, None], new_cs, jnp.concatenate([cs, pad])[gid])  # [N, E]
-    ch_cz = jnp.where(seal[:, None], new_cz, jnp.concatenate([cz, pad])[gid])
+    sealed = seal[..., None]  # [M, N, 1]
+    lo = at_group(jnp.full((M, NG + 1, E), jnp.inf).at[m, gid].min(
+        jnp.where(sealed, xs, jnp.inf)), gid)  # [M, N, E]
+    hi = at_group(jnp.full((M, NG + 1, E), -jnp.inf).at[m, gid].max(
+        jnp.where(sealed, xs, -jnp.inf)), gid)
+    new_cs, new_cz = asym_params(jnp.where(sealed, lo, 0.0), jnp.where(sealed, hi, 0.0), bits)
+    pad = jnp.zeros((M, 1, E), META_DTYPE)
+    ch_cs = jnp.where(sealed, new_cs, at_group(jnp.concatenate([cs, pad], axis=1), gid))
+    ch_cz = jnp.where(sealed, new_cz, at_group(jnp.concatenate([cz, pad], axis=1), gid))
     # channel codes (fresh params, or the group's existing ones for flushed keys)
     levels = 2**bits - 1
-    has = jnp.all(ch_cs > 0, axis=-1)  # [N] the group has params
+    has = jnp.all(ch_cs > 0, axis=-1)  # [M, N] the group has params
     r = jnp.round(
         (xs - ch_cz.astype(jnp.float32)) / jnp.where(ch_cs > 0, ch_cs, 1).astype(jnp.float32)
     )
-    fits = has & jnp.all((r >= 0) & (r <= levels), axis=-1)  # [N] no clipping
-    ch_q = jnp.clip(r, 0, levels).astype(jnp.uint8)  # [N, E]
+    fits = has & jnp.all((r >= 0) & (r <= levels), axis=-1)  # [M, N] no clipping
+    ch_q = jnp.clip(r, 0, levels).astype(jnp.uint8)  # [M, N, E]
     ch_err = jnp.max(jnp.abs(ch_q * ch_cs.astype(jnp.float32) + ch_cz.astype(jnp.float32) - xs), -1)
     # per-token fallback codes
-    tq, ts, tz = _per_token_codes(xs, bits, g)  # [N, E], [N, E/g], [N, E/g]
-    tq_g = tq.reshape(-1, E // g, g).astype(jnp.float32)  # [N, E/g, g]
+    tq, ts, tz = _per_token_codes(xs, bits, g)  # [M, N, E], [M, N, E/g], [M, N, E/g]
+    tq_g = tq.reshape(*tq.shape[:-1], E // g, g).astype(jnp.float32)  # [M, N, E/g, g]
     tok_x = tq_g * ts[..., None].astype(jnp.float32) + tz[..., None].astype(jnp.float32)
-    tok_err = jnp.max(jnp.abs(tok_x.reshape(-1, E) - xs), -1)  # [N]
-    use_ch = seal | (flush & fits & (ch_err <= tok_err))  # [N]
-    codes = jnp.where(use_ch[:, None], ch_q, tq)  # [N, E]
+    tok_err = jnp.max(jnp.abs(tok_x.reshape(xs.shape) - xs), -1)  # [M, N]
+    use_ch = seal | (flush & fits & (ch_err <= tok_err))  # [M, N]
+    codes = jnp.where(use_ch[..., None], ch_q, tq)  # [M, N, E]
     zero_meta = jnp.zeros_like(ts)
     # the new residual, newest group first
-    entry = jnp.where(stay, jnp.argmax(match, axis=-1), S)  # [N]; S = not kept
-    new_res = jnp.zeros((S, g, E), jnp.float32).at[entry, slot % g].set(xs, mode="drop")
-    new_mask = jnp.zeros((S, g), bool).at[entry, slot % g].set(True, mode="drop")
-    return {
-        "dest": jnp.where(seal | flush, slot, C).astype(jnp.int32),  # [N]
-        "q": pack_bits(codes, bits),  # [N, E*bits/8]
-        "scale": jnp.where(use_ch[:, None], zero_meta, ts),  # [N, E/g]
-        "zero": jnp.where(use_ch[:, None], zero_meta, tz),  # [N, E/g]
-        "meta_dest": jnp.where(seal, gid, NG).astype(jnp.int32),  # [N]
-        "cscale": new_cs,  # [N, E]
-        "czero": new_cz,  # [N, E]
-        "res": new_res,  # [S, g, E]
-        "res_group": keep,  # [S]
-        "res_mask": new_mask,  # [S, g]
+    entry = jnp.where(stay, jnp.argmax(match, axis=-1), S)  # [M, N]; S = not kept
+    new_res = jnp.zeros((M, S, g, E), jnp.float32).at[m, entry, slot % g].set(xs, mode="drop")
+    new_mask = jnp.zeros((M, S, g), bool).at[m, entry, slot % g].set(True, mode="drop")
+    out = {
+        "dest": jnp.where(seal | flush, slot, C).astype(jnp.int32),  # [M, N]
+        "q": pack_bits(codes, bits),  # [M, N, E*bits/8]
+        "scale": jnp.where(use_ch[..., None], zero_meta, ts),  # [M, N, E/g]
+        "zero": jnp.where(use_ch[..., None], zero_meta, tz),  # [M, N, E/g]
+        "meta_dest": jnp.where(seal, gid, NG).astype(jnp.int32),  # [M, N]
+        "cscale": new_cs,  # [M, N, E]
+        "czero": new_cz,  # [M, N, E]
+        "res": new_res,  # [M, S, g, E]
+        "res_group": keep,  # [M, S]
+        "res_mask": new_mask,  # [M, S, g]
     }
+    return {n: a.reshape(lead + a.shape[1:]) for n, a in out.items()}
 
 
 @register

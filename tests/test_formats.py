@@ -488,6 +488,37 @@ def test_channel_keys_under_eviction_no_requantization_and_bounded():
     assert np.abs(got - truth).max() < 300 * 0.07  # and the outlier itself survived
 
 
+@pytest.mark.parametrize("bits,g,S", [(4, 8, 1), (2, 8, 2)])
+def test_channel_plan_of_all_rows_and_heads_equals_each_one_alone(bits, g, S):
+    """`_channel_plan` plans every (row, kv head) in one pass over explicit indices; each one's
+    plan must be what the same rule gives it alone (vmapped over rows and heads), through
+    in-order chunks, scattered evictions, padding and outliers (B = 2, K = 3)."""
+    B, K, C, E = 2, 3, 64, 16
+    fmt = get_format(f"int{bits}", group=g, residual=S * g, key_mode="channel")
+    store = fmt.init((1, B, K, C, E), "k")
+    rng = np.random.default_rng(3)
+    plan = functools.partial(F._channel_plan, bits=bits, C=C)
+    together, alone = jax.jit(plan), jax.jit(jax.vmap(jax.vmap(plan)))
+    names = ("res", "res_group", "res_mask", "cscale", "czero")
+    n = 0
+    for step in range(12):
+        T = int(rng.integers(1, 9))
+        if n + T <= C and step < 6:  # in order, as a prompt is read
+            sl = np.broadcast_to(np.arange(n, n + T, dtype=np.int32), (B, K, T)).copy()
+            n += T
+        else:  # a different victim set per row and head, as a policy evicts
+            sl = rng.permuted(np.broadcast_to(np.arange(C, dtype=np.int32), (B, K, C)),
+                              axis=-1)[..., :T].copy()
+        sl[1, 2, 0] = C  # a padding token
+        x = (rng.normal(size=(B, K, T, E)) * np.linspace(0.2, 4, E)).astype(np.float32)
+        x[0, 1, 0, 3] = 300.0 if step % 3 == 0 else x[0, 1, 0, 3]  # an outlier
+        args = [store[k][0] for k in names] + [jnp.asarray(sl), jnp.asarray(x)]
+        got, want = together(*args), alone(*args)
+        for k in want:
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+        store = jwrite(fmt, store, jnp.int32(0), jnp.asarray(sl), jnp.asarray(x), "k")
+
+
 def test_channel_keys_ring_buffer_reseals_fresh_groups():
     """A window (ring) policy rewrites whole groups: they are sealed fresh from the new keys,
     exactly as the block reference, with no per-token fallback."""
