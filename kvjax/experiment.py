@@ -11,6 +11,7 @@ the record to the results store and logs it to W&B. No Hydra here: `run.py` buil
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -536,11 +537,31 @@ def nominal_bytes_per_value(fmt) -> float | None:
     return bits / 8 if bits else None
 
 
-def measure_speed(ctx: TaskContext, prompt: list[int], new_tokens: int):
+def compile_probe(ctx: TaskContext, prompt: list[int]) -> dict[str, float] | None:
+    """Compile the speed probe's programs for `prompt` ahead (`generate.compile_start`, the
+    decode step included): seconds per program, None in compress mode."""
+    return compile_start(ctx.params, ctx.cfg, [prompt], ctx.policy, ctx.fmt,
+                         max_len=ctx.max_len, layout=ctx.layout, decode_too=True)
+
+
+def compile_probe_beside(ctx: TaskContext, prompt: list[int]):
+    """`compile_probe` in a thread, so that tracing it overlaps the task's run (XLA runs the
+    task's programs without Python's lock); a future of its result, or None where every
+    process must run programs in one order (several processes: the probe compiles in turn)."""
+    if jax.process_count() > 1:
+        return None
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvjax-probe-compile")
+    future = pool.submit(compile_probe, ctx, prompt)
+    pool.shutdown(wait=False)
+    return future
+
+
+def measure_speed(ctx: TaskContext, prompt: list[int], new_tokens: int, ahead=None):
     """Prefill seconds (the whole prompt in one forward, plus the compress-mode selection) and
     decode tokens/s, each compiled before it is timed, through `kvjax.generate.start` and
-    `decode`. The prefill compiles ahead of time (`compile_start`); only where that cannot
-    cover it (compress mode) does a first, compiling call run the whole prefill once more.
+    `decode`. The programs compile ahead of time (`compile_probe`; `ahead`: its future from
+    `compile_probe_beside`, started before the task); only where that cannot cover them
+    (compress mode) does a first, compiling call run the whole prefill and a step once more.
     Returns (timings, the batch-1 cache after prefill + decode)."""
 
     def run_prefill():
@@ -551,12 +572,9 @@ def measure_speed(ctx: TaskContext, prompt: list[int], new_tokens: int):
         return time.perf_counter() - t, logits, cache
 
     t = time.perf_counter()
-    if compile_start(ctx.params, ctx.cfg, [prompt], ctx.policy, ctx.fmt, max_len=ctx.max_len,
-                     layout=ctx.layout):
-        first, compiled = time.perf_counter() - t, True
-    else:
+    compiled = compile_probe(ctx, prompt) if ahead is None else ahead.result()
+    if compiled is None:
         first, _, _ = run_prefill()
-        compiled = False
     prefill_s, logits, cache = run_prefill()
     t = time.perf_counter()
     _, cache = decode(ctx.params, ctx.cfg, logits, cache, 1)
@@ -565,12 +583,15 @@ def measure_speed(ctx: TaskContext, prompt: list[int], new_tokens: int):
     t = time.perf_counter()
     _, cache = decode(ctx.params, ctx.cfg, logits, cache, new_tokens)
     decode_s = time.perf_counter() - t
+    step_s = decode_s / max(new_tokens, 1)
     return {
         "prefill_s": prefill_s, "prefill_tokens": len(prompt), "prefill_chunk": len(prompt),
-        "prefill_compile_s": first if compiled else max(0.0, first - prefill_s),
+        "prefill_compile_s": (compiled["prefill"] if compiled is not None
+                              else max(0.0, first - prefill_s)),
         "decode_tok_s": new_tokens / decode_s if decode_s > 0 else None,
         "decode_tokens": new_tokens,
-        "decode_compile_s": max(0.0, decode_first - decode_s / max(new_tokens, 1)),
+        "decode_compile_s": (compiled["decode"] if compiled is not None
+                             else max(0.0, decode_first - step_s)),
     }, cache
 
 
@@ -774,6 +795,11 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
                       plan_.layout)
     if precomputed is None:
         precomputed = shared_result(plan_, ctx, echo)
+    n_prompt = min(spec.speed.prompt, plan_.max_len - spec.speed.new_tokens)
+    probe = spec.speed.prompt and n_prompt > 0
+    if probe:
+        prompt = encode_prefix(model.tokenizer, text, n_prompt)
+        ahead = compile_probe_beside(ctx, prompt)
     t = time.perf_counter()
     result = spec.task.run(ctx) if precomputed is None else precomputed[0]
     task_s = time.perf_counter() - t if precomputed is None else precomputed[1]
@@ -781,10 +807,8 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
                                              result if ctx.is_baseline else None)
 
     timings = {"load_s": model.seconds, "task_s": task_s, "baseline_s": base_s}
-    n_prompt = min(spec.speed.prompt, plan_.max_len - spec.speed.new_tokens)
-    if spec.speed.prompt and n_prompt > 0:
-        prompt = encode_prefix(model.tokenizer, text, n_prompt)
-        speed, probe_cache = measure_speed(ctx, prompt, spec.speed.new_tokens)
+    if probe:
+        speed, probe_cache = measure_speed(ctx, prompt, spec.speed.new_tokens, ahead)
         timings |= speed
     else:
         probe_cache = result.cache

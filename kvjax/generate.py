@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 
 import jax
@@ -118,20 +119,32 @@ def start(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], policy, fm
 
 
 def compile_start(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], policy, fmt, *,
-                  max_len: int | None = None, chunk: int | None = None, layout=None) -> bool:
+                  max_len: int | None = None, chunk: int | None = None, layout=None,
+                  decode_too: bool = False) -> dict[str, float] | None:
     """Compile what `start` runs for prompts of these lengths without running the model: the
     empty cache and the prefill chunk's program (ahead of time, `jit(...).lower().compile()`),
-    so that a timed `start` runs compiled code only. Returns False, having compiled nothing
-    but the empty cache, in compress mode: its selection's programs are sized by the prompt
-    lengths on the host after the prefill (run `start` once to compile them)."""
+    so that a timed `start` runs compiled code only; with `decode_too`, also what `decode`
+    runs greedily on the cache `start` returns (the step and the sampler). Returns the seconds
+    each took ({"prefill": s, "decode": s}), or None, having compiled nothing but the empty
+    cache, in compress mode: its selection's programs are sized by the prompt lengths on the
+    host after the prefill (run `start` once to compile them)."""
     max_len = cfg.max_seq_len if max_len is None else max_len
+    t = time.perf_counter()
     cache = init_cache(cfg, len(prompts), policy, fmt, max_len, layout)
     if policy.mode == "compress":
-        return False
+        return None
     toks, n_valid, last_idx, _ = next(_chunks(prompts, chunk))
     prefill_chunk.lower(params, toks, cache, cfg, n_valid, last_idx,
                         _fresh(prompts, chunk, cache)).compile()
-    return True
+    seconds = {"prefill": time.perf_counter() - t}
+    if decode_too:  # evict mode: the cache keeps its shapes through the prefill
+        t = time.perf_counter()
+        token = jnp.zeros((len(prompts),), jnp.int32)
+        decode_step.lower(params, token, cache, cfg).compile()
+        sample.lower(jnp.zeros((len(prompts), cfg.vocab_size), jnp.float32), None, 0.0,
+                     1.0).compile()
+        seconds["decode"] = time.perf_counter() - t
+    return seconds
 
 
 def decode(params, cfg: ModelConfig, logits, cache, n: int, *, temperature: float = 0.0,

@@ -246,12 +246,13 @@ def test_fresh_prefill_equals_scoring_the_empty_cache():
     ("dense", "lru", None), ("dense", "lru", 8), ("paged", "streaming", None)])
 def test_compile_start_leaves_nothing_to_compile(layout, policy, chunk):
     """After `compile_start`, `start` traces and compiles no prefill program (the speed probe
-    times compiled code only) and gives what it gives without; compress mode reports that it
-    cannot compile ahead (its selection is sized at run time)."""
+    times compiled code only) and gives what it gives without; with `decode_too`, greedy
+    `decode` on its cache compiles nothing either; compress mode reports that it cannot
+    compile ahead (its selection is sized at run time)."""
     from jax import monitoring
 
     from kvjax.cache import get_layout
-    from kvjax.generate import compile_start, start
+    from kvjax.generate import compile_start, decode, start
 
     cfg, p = _model("gqa", n_layers=3, d_model=48)  # shapes no other test compiles
     lay = get_layout(layout, page_size=8) if layout == "paged" else get_layout(layout)
@@ -261,12 +262,16 @@ def test_compile_start_leaves_nothing_to_compile(layout, policy, chunk):
     names, listening = [], [True]  # JAX keeps the listener: it stops recording at the end
     monitoring.register_event_duration_secs_listener(
         lambda e, d, fun_name="", **_: listening[0] and names.append((e, fun_name)))
-    assert compile_start(*args, max_len=40, chunk=chunk, layout=lay)
-    compiled = [n for n in names if "prefill_chunk" in n[1]]
-    assert compiled, "compile_start compiled no prefill program"
+    jax.clear_caches()  # each case compiles its own programs, whatever ran before
+    seconds = compile_start(*args, max_len=40, chunk=chunk, layout=lay, decode_too=True)
+    assert set(seconds) == {"prefill", "decode"} and min(seconds.values()) > 0
+    ours = ("prefill_chunk", "decode_step", "sample")
+    for name in ours:
+        assert [n for n in names if name in n[1]], f"compile_start compiled no {name} program"
     names.clear()
-    logits, _ = start(*args, max_len=40, chunk=chunk, layout=lay)
-    assert not [n for n in names if "prefill_chunk" in n[1]], names
+    logits, cache = start(*args, max_len=40, chunk=chunk, layout=lay)
+    decode(p, cfg, logits, cache, 3)
+    assert not [n for n in names if any(name in n[1] for name in ours)], names
     np.testing.assert_array_equal(logits, start(*args, max_len=40, chunk=chunk, layout=lay)[0])
     listening[0] = False
     if layout == "dense":  # the paged layout evicts by position only (no compress mode)
