@@ -242,9 +242,9 @@ def test_fresh_prefill_equals_scoring_the_empty_cache():
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("layout, policy, chunk", [
-    ("dense", "lru", None), ("dense", "lru", 8), ("paged", "streaming", None)])
-def test_compile_start_leaves_nothing_to_compile(layout, policy, chunk):
+@pytest.mark.parametrize("layout, policy, chunk, budget", [
+    ("dense", "lru", None, 16), ("dense", "lru", 8, 15), ("paged", "streaming", None, 16)])
+def test_compile_start_leaves_nothing_to_compile(layout, policy, chunk, budget):
     """After `compile_start`, `start` traces and compiles no prefill program (the speed probe
     times compiled code only) and gives what it gives without; with `decode_too`, greedy
     `decode` on its cache compiles nothing either; compress mode reports that it cannot
@@ -257,16 +257,15 @@ def test_compile_start_leaves_nothing_to_compile(layout, policy, chunk):
     cfg, p = _model("gqa", n_layers=3, d_model=48)  # shapes no other test compiles
     lay = get_layout(layout, page_size=8) if layout == "paged" else get_layout(layout)
     prompts = [list(range(1, 20)), list(range(3, 12))]
-    policy = get_policy(policy, budget=16, **({"window": 4} if policy == "lru" else {}))
+    policy = get_policy(policy, budget=budget, **({"window": 4} if policy == "lru" else {}))
     args = (p, cfg, prompts, policy, F32)
     names, listening = [], [True]  # JAX keeps the listener: it stops recording at the end
     monitoring.register_event_duration_secs_listener(
         lambda e, d, fun_name="", **_: listening[0] and names.append((e, fun_name)))
-    jax.clear_caches()  # each case compiles its own programs, whatever ran before
     seconds = compile_start(*args, max_len=40, chunk=chunk, layout=lay, decode_too=True)
     assert set(seconds) == {"prefill", "decode"} and min(seconds.values()) > 0
     ours = ("prefill_chunk", "decode_step", "sample")
-    for name in ours:
+    for name in ours[:2]:  # each case's own cache shapes (the sampler's may be compiled already)
         assert [n for n in names if name in n[1]], f"compile_start compiled no {name} program"
     names.clear()
     logits, cache = start(*args, max_len=40, chunk=chunk, layout=lay)
