@@ -156,8 +156,8 @@ def group_sum(shapes: list[str], reps: int) -> list[str]:
     """The probabilities scoring policies read, summed over the G query heads of each kv group
     ([B, K, G, T, S] -> [B, K, T, S]), as one reduce over that middle axis and as
     `kvjax.attention._sum_groups`'s G - 1 adds (results checked equal first)."""
-    lines = ["", f"### Attention probabilities summed over the {G} query heads of a kv group "
-                 f"({reps} interleaved repetitions, median, ms per layer)", "",
+    lines = ["", (f"### Attention probabilities summed over the {G} query heads of a kv group "
+                  f"({reps} interleaved repetitions, median, ms per layer)"), "",
              "| [B, K, G, T, S] | reduce over G | adds (kvjax) | speed-up |", "|---|---:|---:|---:|"]
     rng = np.random.default_rng(0)
     for shape in shapes:

@@ -56,7 +56,7 @@ def rope(x, positions, theta: float, table=None):
 
 def _sum_groups(x):
     """[B, K, G, T, S] -> [B, K, T, S], summed over the G query heads as G - 1 elementwise adds:
-    XLA:CPU runs a reduce over that middle axis several times slower than the adds
+    XLA:CPU runs a reduce over that middle axis dozens of times slower than the adds
     (`python -m experiments.bench_attention_blocks --group-sum` measures both)."""
     out = x[:, :, 0]
     for g in range(1, x.shape[2]):

@@ -571,7 +571,6 @@ def measure_speed(ctx: TaskContext, prompt: list[int], new_tokens: int, ahead=No
         jax.block_until_ready((logits, cache))
         return time.perf_counter() - t, logits, cache
 
-    t = time.perf_counter()
     compiled = compile_probe(ctx, prompt) if ahead is None else ahead.result()
     if compiled is None:
         first, _, _ = run_prefill()

@@ -728,9 +728,9 @@ def _channel_plan(res, res_group, res_mask, cs, cz, slots, x, *, bits: int, C: i
     per-channel params; slots [..., T]; x [..., T, E].
     Returns rows to scatter (dest slot, packed codes, per-token fallback params), per-token
     rows of group params (meta_dest group, cscale, czero) and the new residual, each with the
-    leading dims. Written over a flat [M] of them with explicit indices rather than under
-    `vmap`: the same ops, but tracing the vmapped scatters took ~0.4 s of every program that
-    writes int4/int2 keys (`python -m experiments.bench_sweep_point` measures a point).
+    leading dims. Written over a flat [M] of them with explicit indices rather than under two
+    `vmap`s: the same ops, traced without the batching rules (tracing + lowering the int4
+    decode step ~0.1 s shorter, docs/benchmarks.md).
     """
     lead = slots.shape[:-1]
     S, g, E = res.shape[-3:]
