@@ -7,7 +7,16 @@ same GGUF; see tests/data/REFERENCE.md), copied so a fresh clone passes without 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+# Tests compile hundreds of programs and run most of them once on tiny shapes, so LLVM's
+# optimization is mostly wasted on them: at level 0 the suite's CPU time fell by a third
+# (docs/benchmarks.md, "CI time"), while the few compute-heavy real-model tests run a little
+# slower. Set before anything can start JAX's backend; subprocesses (run.py, the mesh and
+# multi-process tests) inherit it. What users run keeps XLA's default.
+os.environ["XLA_FLAGS"] = " ".join(
+    f for f in (os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0") if f)
 
 import numpy as np
 import pytest

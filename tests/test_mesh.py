@@ -12,6 +12,12 @@ import pytest
 DEVICES = 8
 
 
+def forced_devices(n: int) -> str:
+    """XLA_FLAGS for a subprocess with n host devices, keeping the tests' own flags (conftest)."""
+    return " ".join(f for f in (f"--xla_force_host_platform_device_count={n}",
+                                os.environ.get("XLA_FLAGS")) if f)
+
+
 def worker() -> dict:
     """Runs in the subprocess; returns what the test asserts on."""
     import jax
@@ -73,7 +79,7 @@ def worker() -> dict:
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+    env = dict(os.environ, XLA_FLAGS=forced_devices(DEVICES),
                JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
@@ -192,7 +198,7 @@ def test_run_py_sweeps_the_mesh_with_equal_results(tmp_path):
     args = ["model=tiny", "task.length=48",
             "task.chunk=16", "speed.prompt=0", "wandb.mode=disabled", "policy=h2o", "budget=32",
             "policy.window=8", f"results={tmp_path}/r.jsonl", f"xla_cache={tmp_path}/xla"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=forced_devices(4),
                JAX_PLATFORMS="cpu")
     run_py = [sys.executable, os.path.join(root, "run.py")]
     p = subprocess.run([*run_py, "-m", *args, "mesh={data:1,model:1},{data:2,model:2}",
@@ -214,7 +220,7 @@ def test_run_py_sweeps_the_mesh_with_equal_results(tmp_path):
     assert "mesh=data 2 x model 2" in p.stdout and "cache bytes per device" in p.stdout
     few = subprocess.run([*run_py, *args, "mesh.data=2", "mesh.model=4",
                           f"hydra.run.dir={tmp_path}/r"],
-                         env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+                         env=dict(env, XLA_FLAGS=forced_devices(2)),
                          cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert few.returncode == 2
     assert few.stderr.strip().splitlines()[-1] == (

@@ -14,6 +14,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def forced_devices(n: int) -> str:
+    """XLA_FLAGS for a subprocess with n host devices, keeping the tests' own flags (conftest)."""
+    return " ".join(f for f in (f"--xla_force_host_platform_device_count={n}",
+                                os.environ.get("XLA_FLAGS")) if f)
+
+
 def test_run_py_point_across_two_processes(tmp_path):
     """The same `run.py` command in 2 processes (distributed.*, 2 CPU devices each, a 2 x 2
     mesh, one prompt of the batch on each host): one record (the second process finds the key
@@ -32,7 +38,7 @@ def test_run_py_point_across_two_processes(tmp_path):
              "wandb.mode=disabled", "policy=h2o", "budget=32", "policy.window=8"]
     args = [*point, "mesh.data=2", "mesh.model=2", f"results={tmp_path}/r.jsonl", "xla_cache=null",
             f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=forced_devices(2),
                JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "run.py"), *args,
                                f"distributed.process_id={i}", f"hydra.run.dir={tmp_path}/p{i}"],
