@@ -730,7 +730,9 @@ def _channel_plan(res, res_group, res_mask, cs, cz, slots, x, *, bits: int, C: i
     rows of group params (meta_dest group, cscale, czero) and the new residual, each with the
     leading dims. Written over a flat [M] of them with explicit indices rather than under two
     `vmap`s: the same ops, traced without the batching rules (tracing + lowering the int4
-    decode step ~0.1 s shorter, docs/benchmarks.md).
+    decode step ~0.1 s shorter, docs/benchmarks.md). When no entry leaves the residual (most
+    decode steps of a policy that fills slots in order), the codes are not computed at all
+    (`lax.cond`): they were most of a per-channel key write (docs/benchmarks.md).
     """
     lead = slots.shape[:-1]
     S, g, E = res.shape[-3:]
@@ -769,45 +771,61 @@ def _channel_plan(res, res_group, res_mask, cs, cz, slots, x, *, bits: int, C: i
     done = at_group(complete, gid)  # [M, N]
     seal = valid & done & ~stay
     flush = valid & ~done & ~stay
-    # fresh per-channel params for groups sealed now
-    sealed = seal[..., None]  # [M, N, 1]
-    lo = at_group(jnp.full((M, NG + 1, E), jnp.inf).at[m, gid].min(
-        jnp.where(sealed, xs, jnp.inf)), gid)  # [M, N, E]
-    hi = at_group(jnp.full((M, NG + 1, E), -jnp.inf).at[m, gid].max(
-        jnp.where(sealed, xs, -jnp.inf)), gid)
-    new_cs, new_cz = asym_params(jnp.where(sealed, lo, 0.0), jnp.where(sealed, hi, 0.0), bits)
-    pad = jnp.zeros((M, 1, E), META_DTYPE)
-    ch_cs = jnp.where(sealed, new_cs, at_group(jnp.concatenate([cs, pad], axis=1), gid))
-    ch_cz = jnp.where(sealed, new_cz, at_group(jnp.concatenate([cz, pad], axis=1), gid))
-    # channel codes (fresh params, or the group's existing ones for flushed keys)
-    levels = 2**bits - 1
-    has = jnp.all(ch_cs > 0, axis=-1)  # [M, N] the group has params
-    r = jnp.round(
-        (xs - ch_cz.astype(jnp.float32)) / jnp.where(ch_cs > 0, ch_cs, 1).astype(jnp.float32)
-    )
-    fits = has & jnp.all((r >= 0) & (r <= levels), axis=-1)  # [M, N] no clipping
-    ch_q = jnp.clip(r, 0, levels).astype(jnp.uint8)  # [M, N, E]
-    ch_err = jnp.max(jnp.abs(ch_q * ch_cs.astype(jnp.float32) + ch_cz.astype(jnp.float32) - xs), -1)
-    # per-token fallback codes
-    tq, ts, tz = _per_token_codes(xs, bits, g)  # [M, N, E], [M, N, E/g], [M, N, E/g]
-    tq_g = tq.reshape(*tq.shape[:-1], E // g, g).astype(jnp.float32)  # [M, N, E/g, g]
-    tok_x = tq_g * ts[..., None].astype(jnp.float32) + tz[..., None].astype(jnp.float32)
-    tok_err = jnp.max(jnp.abs(tok_x.reshape(xs.shape) - xs), -1)  # [M, N]
-    use_ch = seal | (flush & fits & (ch_err <= tok_err))  # [M, N]
-    codes = jnp.where(use_ch[..., None], ch_q, tq)  # [M, N, E]
-    zero_meta = jnp.zeros_like(ts)
+
+    def code():
+        """Codes and params of the entries sealed or flushed now (the expensive part)."""
+        # fresh per-channel params for groups sealed now
+        sealed = seal[..., None]  # [M, N, 1]
+        lo = at_group(jnp.full((M, NG + 1, E), jnp.inf).at[m, gid].min(
+            jnp.where(sealed, xs, jnp.inf)), gid)  # [M, N, E]
+        hi = at_group(jnp.full((M, NG + 1, E), -jnp.inf).at[m, gid].max(
+            jnp.where(sealed, xs, -jnp.inf)), gid)
+        new_cs, new_cz = asym_params(jnp.where(sealed, lo, 0.0), jnp.where(sealed, hi, 0.0), bits)
+        pad = jnp.zeros((M, 1, E), META_DTYPE)
+        ch_cs = jnp.where(sealed, new_cs, at_group(jnp.concatenate([cs, pad], axis=1), gid))
+        ch_cz = jnp.where(sealed, new_cz, at_group(jnp.concatenate([cz, pad], axis=1), gid))
+        # channel codes (fresh params, or the group's existing ones for flushed keys)
+        levels = 2**bits - 1
+        has = jnp.all(ch_cs > 0, axis=-1)  # [M, N] the group has params
+        r = jnp.round(
+            (xs - ch_cz.astype(jnp.float32)) / jnp.where(ch_cs > 0, ch_cs, 1).astype(jnp.float32)
+        )
+        fits = has & jnp.all((r >= 0) & (r <= levels), axis=-1)  # [M, N] no clipping
+        ch_q = jnp.clip(r, 0, levels).astype(jnp.uint8)  # [M, N, E]
+        ch_x = ch_q * ch_cs.astype(jnp.float32) + ch_cz.astype(jnp.float32)  # [M, N, E]
+        ch_err = jnp.max(jnp.abs(ch_x - xs), -1)  # [M, N]
+        # per-token fallback codes
+        tq, ts, tz = _per_token_codes(xs, bits, g)  # [M, N, E], [M, N, E/g], [M, N, E/g]
+        tq_g = tq.reshape(*tq.shape[:-1], E // g, g).astype(jnp.float32)  # [M, N, E/g, g]
+        tok_x = tq_g * ts[..., None].astype(jnp.float32) + tz[..., None].astype(jnp.float32)
+        tok_err = jnp.max(jnp.abs(tok_x.reshape(xs.shape) - xs), -1)  # [M, N]
+        use_ch = seal | (flush & fits & (ch_err <= tok_err))  # [M, N]
+        codes = jnp.where(use_ch[..., None], ch_q, tq)  # [M, N, E]
+        return {
+            "dest": jnp.where(seal | flush, slot, C).astype(jnp.int32),  # [M, N]
+            "q": pack_bits(codes, bits),  # [M, N, E*bits/8]
+            "scale": jnp.where(use_ch[..., None], jnp.zeros_like(ts), ts),  # [M, N, E/g]
+            "zero": jnp.where(use_ch[..., None], jnp.zeros_like(tz), tz),  # [M, N, E/g]
+            "meta_dest": jnp.where(seal, gid, NG).astype(jnp.int32),  # [M, N]
+            "cscale": new_cs,  # [M, N, E]
+            "czero": new_cz,  # [M, N, E]
+        }
+
+    def nothing():
+        """No entry leaves the residual (a decode step into the open group): every row of
+        `code` would be dropped, so skip computing them."""
+        shapes = jax.eval_shape(code)
+        out = {n: jnp.zeros(x.shape, x.dtype) for n, x in shapes.items()}
+        return {**out, "dest": jnp.full_like(out["dest"], C),
+                "meta_dest": jnp.full_like(out["meta_dest"], NG)}
+
+    coded = jax.lax.cond(jnp.any(seal | flush), code, nothing)
     # the new residual, newest group first
     entry = jnp.where(stay, jnp.argmax(match, axis=-1), S)  # [M, N]; S = not kept
     new_res = jnp.zeros((M, S, g, E), jnp.float32).at[m, entry, slot % g].set(xs, mode="drop")
     new_mask = jnp.zeros((M, S, g), bool).at[m, entry, slot % g].set(True, mode="drop")
     out = {
-        "dest": jnp.where(seal | flush, slot, C).astype(jnp.int32),  # [M, N]
-        "q": pack_bits(codes, bits),  # [M, N, E*bits/8]
-        "scale": jnp.where(use_ch[..., None], zero_meta, ts),  # [M, N, E/g]
-        "zero": jnp.where(use_ch[..., None], zero_meta, tz),  # [M, N, E/g]
-        "meta_dest": jnp.where(seal, gid, NG).astype(jnp.int32),  # [M, N]
-        "cscale": new_cs,  # [M, N, E]
-        "czero": new_cz,  # [M, N, E]
+        **coded,
         "res": new_res,  # [M, S, g, E]
         "res_group": keep,  # [M, S]
         "res_mask": new_mask,  # [M, S, g]
