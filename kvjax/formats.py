@@ -757,6 +757,7 @@ def _channel_plan(res, res_group, res_mask, cs, cz, slots, x, *, bits: int, C: i
     xs = jnp.concatenate([res.reshape(M, S * g, E), jnp.where(new_ok[..., None], x, 0.0)],
                          axis=1)  # [M, N, E]
     stamp = jnp.concatenate([jnp.repeat(S - jnp.arange(S), g), S + 1 + jnp.arange(T)])  # [N]
+    N = slot.shape[1]
     valid = slot < C
     gid = jnp.where(valid, slot // g, NG)  # [M, N]; NG collects the invalid rows
     # group states: complete (all g slots written since it entered), recency
@@ -813,11 +814,16 @@ def _channel_plan(res, res_group, res_mask, cs, cz, slots, x, *, bits: int, C: i
 
     def nothing():
         """No entry leaves the residual (a decode step into the open group): every row of
-        `code` would be dropped, so skip computing them."""
-        shapes = jax.eval_shape(code)
-        out = {n: jnp.zeros(x.shape, x.dtype) for n, x in shapes.items()}
-        return {**out, "dest": jnp.full_like(out["dest"], C),
-                "meta_dest": jnp.full_like(out["meta_dest"], NG)}
+        `code` would be dropped, so none is computed (`code`'s shapes, all rows dropped)."""
+        return {
+            "dest": jnp.full((M, N), C, jnp.int32),
+            "q": jnp.zeros((M, N, E * bits // 8), jnp.uint8),
+            "scale": jnp.zeros((M, N, E // g), META_DTYPE),
+            "zero": jnp.zeros((M, N, E // g), META_DTYPE),
+            "meta_dest": jnp.full((M, N), NG, jnp.int32),
+            "cscale": jnp.zeros((M, N, E), META_DTYPE),
+            "czero": jnp.zeros((M, N, E), META_DTYPE),
+        }
 
     coded = jax.lax.cond(jnp.any(seal | flush), code, nothing)
     # the new residual, newest group first
