@@ -15,8 +15,15 @@ from pathlib import Path
 # (docs/benchmarks.md, "CI time"), while the few compute-heavy real-model tests run a little
 # slower. Set before anything can start JAX's backend; subprocesses (run.py, the mesh and
 # multi-process tests) inherit it. What users run keeps XLA's default.
-os.environ["XLA_FLAGS"] = " ".join(
-    f for f in (os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0") if f)
+
+
+def xla_flags(*flags: str) -> str:
+    """XLA_FLAGS with `flags` added to this process's (for a subprocess: it keeps the tests'
+    own flags)."""
+    return " ".join(f for f in (*flags, os.environ.get("XLA_FLAGS")) if f)
+
+
+os.environ["XLA_FLAGS"] = xla_flags("--xla_backend_optimization_level=0")
 
 import numpy as np
 import pytest
@@ -41,6 +48,12 @@ def _map_limit():
     compiled ones (`release_compiled_near_map_limit`: at the limit XLA crashes the worker)."""
     yield
     release_compiled_near_map_limit()
+
+
+@pytest.fixture(scope="session")
+def forced_devices():
+    """n -> XLA_FLAGS for a subprocess with n host devices, keeping the tests' own flags."""
+    return lambda n: xla_flags(f"--xla_force_host_platform_device_count={n}")
 
 
 @pytest.fixture(scope="session")

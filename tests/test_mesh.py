@@ -12,12 +12,6 @@ import pytest
 DEVICES = 8
 
 
-def forced_devices(n: int) -> str:
-    """XLA_FLAGS for a subprocess with n host devices, keeping the tests' own flags (conftest)."""
-    return " ".join(f for f in (f"--xla_force_host_platform_device_count={n}",
-                                os.environ.get("XLA_FLAGS")) if f)
-
-
 def worker() -> dict:
     """Runs in the subprocess; returns what the test asserts on."""
     import jax
@@ -78,7 +72,7 @@ def worker() -> dict:
 
 
 @pytest.fixture(scope="module")
-def result():
+def result(forced_devices):
     env = dict(os.environ, XLA_FLAGS=forced_devices(DEVICES),
                JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,7 +182,7 @@ def test_too_few_devices_is_one_clear_error():
         MeshSpec(model=0)
 
 
-def test_run_py_sweeps_the_mesh_with_equal_results(tmp_path):
+def test_run_py_sweeps_the_mesh_with_equal_results(tmp_path, forced_devices):
     """`run.py -m mesh={data:1,model:1},{data:2,model:2}` on 4 forced devices: two points (the
     mesh is a layout, so it is in each point's key and record), one perplexity; too few
     devices is one line before the model loads."""

@@ -14,13 +14,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def forced_devices(n: int) -> str:
-    """XLA_FLAGS for a subprocess with n host devices, keeping the tests' own flags (conftest)."""
-    return " ".join(f for f in (f"--xla_force_host_platform_device_count={n}",
-                                os.environ.get("XLA_FLAGS")) if f)
-
-
-def test_run_py_point_across_two_processes(tmp_path):
+def test_run_py_point_across_two_processes(tmp_path, forced_devices):
     """The same `run.py` command in 2 processes (distributed.*, 2 CPU devices each, a 2 x 2
     mesh, one prompt of the batch on each host): one record (the second process finds the key
     stored), its answers equal to the point run in one process without a mesh."""
