@@ -64,7 +64,8 @@ def _sum_groups(x):
     return out
 
 
-def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache, cache_empty=False):
+def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache, cache_empty=False,
+              queries_lead=False):
     """Causal GQA attention of a chunk over the cache plus the chunk itself.
 
     q:        [B, T, H, E]   queries of the chunk (RoPE applied)
@@ -77,6 +78,9 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache, cache_empty
     pos_cache:[B, K, C]      position held by each slot for each kv head, -1 = empty/not its own
     cache_empty: (static) the caller knows every slot is empty (a prompt's first chunk): the
                  cache is not scored at all. Exact: empty slots get weight exp(-1e30) = 0.
+    queries_lead: (static) the cached keys are a transposed view of a channel-major store
+                 (`KVFormat.keys_by_channel`): the queries lead the score product even for a
+                 few query rows, so it reads the stored keys in place along the slots.
 
     Returns out [B, T, H, E] and probs [B, K, T, C + T]: attention probabilities summed over
     the G query heads of each kv group (cache slots first, then the chunk), zero for padding
@@ -106,7 +110,7 @@ def attention(q, k_new, v_new, pos_new, k_cache, v_cache, pos_cache, cache_empty
         kc, vc, pos_cache = kc[:, :, :0], vc[:, :, :0], pos_cache[:, :, :0]
     if pooled:
         s_cache = jnp.einsum("BKGTE,BSE->BKGTS", qk, kc[:, 0])  # [B, K, G, T, C]
-    elif G * T <= FEW_QUERIES:  # decode: the cached keys as the matmul's row-major lhs
+    elif G * T <= FEW_QUERIES and not queries_lead:  # decode: keys as the row-major lhs
         s_cache = jnp.swapaxes(jnp.einsum("BKSE,BKME->BKSM", kc, qk.reshape(B, K, G * T, E)),
                                2, 3).reshape(B, K, G, T, -1)  # [B, K, G, T, C]
     else:

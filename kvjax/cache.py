@@ -321,7 +321,8 @@ class KVCache:
             k_cached = rope(view.k, key_pos, rope_theta, table)
         else:
             k_cached = view.k
-        return attention(q, k, v, pos_new, k_cached, view.v, view.pos, view.empty)
+        return attention(q, k, v, pos_new, k_cached, view.v, view.pos, view.empty,
+                         queries_lead=key_pos is None and self.fmt.keys_by_channel)
 
     def update(self, view: LayerView, k, v, pos_new, probs, rope_theta: float):
         """The policy's placement of the chunk: (slots, keys to store, values, stats)."""

@@ -3,7 +3,8 @@
 A format is a frozen, hashable dataclass (a static jit argument) with three pure functions:
 
 * `init(shape, kind)`: the zero-initialised store, a dict of real buffers with a leading
-  layer axis, shape = (L, B, K, C, E);
+  layer axis, for shape = (L, B, K, C, E) (how a leaf orders its axes is the format's own:
+  f32 holds keys channel-major, see `F32`);
 * `write(store, layer, slots, x, kind)`: encode a chunk x [B, K, T, E] into one layer at the
   policy's slots [B, K, T] (slot C = drop). It runs inside the layer scan with the store in the
   carry, so it scatters only the written slots (and the small metadata of their groups);
@@ -376,6 +377,9 @@ class KVFormat:
     """Base format: how keys or values are stored (see the module docstring)."""
 
     name: ClassVar[str] = "base"
+    # keys held channel-major (each layer's keys [B, K, E, C]): `read` gives a transposed
+    # view, and attention puts the queries first in the score product (see `F32`)
+    keys_by_channel: ClassVar[bool] = False
 
     def init(self, shape, kind: str) -> dict:
         raise NotImplementedError
@@ -425,10 +429,15 @@ class _FloatFormat(KVFormat):
 
     dtype: ClassVar = jnp.float32
 
+    def _by_channel(self, kind) -> bool:
+        return self.keys_by_channel and kind == "k"
+
     def init(self, shape, kind):
         _check_kind(kind)
         store_dtype = jnp.float32 if self.dtype == jnp.float32 else jnp.uint16
-        return {"q": jnp.zeros(_check_shape(shape), store_dtype)}  # [L, B, K, C, E]
+        L, B, K, C, E = _check_shape(shape)
+        shape = (L, B, K, E, C) if self._by_channel(kind) else (L, B, K, C, E)
+        return {"q": jnp.zeros(shape, store_dtype)}
 
     def bytes_formula(self, L, B, K, C, E, kind):
         return L * B * K * C * E * np.dtype(self.dtype).itemsize  # f32: 4, bf16 bits: 2
@@ -436,12 +445,28 @@ class _FloatFormat(KVFormat):
     def write(self, store, layer, slots, x, kind):
         with jax.named_scope("kv_format_write"):
             rows = x if self.dtype == jnp.float32 else float_bits(x, self.dtype)
-            return {"q": _scatter(store["q"], layer, slots, rows)}
+            if not self._by_channel(kind):
+                return {"q": _scatter(store["q"], layer, slots, rows)}
+            b = jnp.arange(slots.shape[0])[:, None, None]
+            h = jnp.arange(slots.shape[1])[None, :, None]
+            # [B, K, T] indices around the E slice: the update is [B, K, T, E], as `rows`
+            return {"q": store["q"].at[layer, b, h, :, slots].set(rows, mode="drop")}
 
     def read(self, store, layer, kind):
         with jax.named_scope("kv_format_read"):
-            q = _layer(store["q"], layer)  # [B, K, C, E]
+            q = _layer(store["q"], layer)  # [B, K, C, E] ([B, K, E, C] by channel)
+            q = jnp.swapaxes(q, -1, -2) if self._by_channel(kind) else q  # [B, K, C, E]
             return q if self.dtype == jnp.float32 else bf16_to_f32(q)
+
+    def values(self, store, kind):
+        """Every layer's stored values, [L, B, K, C, E] float32 (the store is exact)."""
+        q = store["q"] if self.dtype == jnp.float32 else bf16_to_f32(store["q"])
+        return jnp.swapaxes(q, -1, -2) if self._by_channel(kind) else q
+
+    def holding(self, x, kind):
+        """The store that holds x [L, B, K, C, E] (as `values` gives it back)."""
+        x = jnp.swapaxes(x, -1, -2) if self._by_channel(kind) else x
+        return {"q": x if self.dtype == jnp.float32 else float_bits(x, self.dtype)}
 
     def page_codec(self, kind):
         return FloatPages(self.dtype)
@@ -450,8 +475,14 @@ class _FloatFormat(KVFormat):
 @register
 @dataclasses.dataclass(frozen=True)
 class F32(_FloatFormat):
+    """Exact. Keys are held channel-major ([L, B, K, E, C]): a decode step's score product is
+    then a vector times a matrix whose rows run along the slots, the form XLA:CPU reads at its
+    best bandwidth; with keys slot-major it first copied each layer's keys out and read them
+    as a skinny matrix (`python -m experiments.bench_decode_floor` measures both layouts)."""
+
     name = "f32"
     dtype = jnp.float32
+    keys_by_channel = True
 
 
 @register

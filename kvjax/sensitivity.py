@@ -65,9 +65,11 @@ def _kl_of_units(params, cache, cont, ref_logp, kq, vq, onehot, cfg):
     """Mean KL(ref ‖ quantized) over the continuation, one batch row per unit: row b holds
     the quantized keys/values of the unit `onehot[:, b]` [L, K] and exact ones elsewhere."""
     sel = onehot[:, :, :, None, None]  # [L, B, K, 1, 1]
-    k = jnp.where(sel, kq[:, None], cache.k["q"])  # [L, B, K, C, E]
-    v = jnp.where(sel, vq[:, None], cache.v["q"])
-    logp = _continuation_logp(params, cache.replace(k={"q": k}, v={"q": v}), cont, cfg)
+    f = cache.fmt  # f32: the values themselves
+    k = jnp.where(sel, kq[:, None], f.values(cache.k, "k"))  # [L, B, K, C, E]
+    v = jnp.where(sel, vq[:, None], f.values(cache.v, "v"))
+    logp = _continuation_logp(
+        params, cache.replace(k=f.holding(k, "k"), v=f.holding(v, "v")), cont, cfg)
     p = jnp.exp(ref_logp)  # [1, S, V]
     return jnp.mean(jnp.sum(p * (ref_logp - logp), axis=-1), axis=-1)  # [B]
 
@@ -90,7 +92,8 @@ def unit_scores(params, cfg, ids, fmt, criterion: str, *, prefix: int, seed: int
         return np.random.default_rng(seed).random((L, K))
     capacity = len(ids)
     one = _prefill(params, jnp.asarray(ids[:prefix]), cfg, 1, capacity)
-    k, v = one.k["q"][:, 0], one.v["q"][:, 0]  # [L, K, C, E]; slots >= prefix are empty
+    k = one.fmt.values(one.k, "k")[:, 0]  # [L, K, C, E]; slots >= prefix are empty
+    v = one.fmt.values(one.v, "v")[:, 0]
     pad = [(0, 0), (0, 0), (0, capacity - prefix), (0, 0)]
     kq = jnp.pad(roundtrip(fmt, k[:, :, :prefix], "k"), pad)  # [L, K, C, E]
     vq = jnp.pad(roundtrip(fmt, v[:, :, :prefix], "v"), pad)

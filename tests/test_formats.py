@@ -183,6 +183,33 @@ def test_bf16_roundtrip_relative_bound():
     np.testing.assert_array_equal(xh, x.astype(jnp.bfloat16).astype(np.float32))
 
 
+def test_float_stores_hold_what_was_written_in_their_layout():
+    """f32 keys are held channel-major ([L, B, K, E, C], `keys_by_channel`), values and bf16
+    slot-major; each reads back exactly what was written at random slots (slot C dropped),
+    and `values` / `holding` give every layer's values and the store that holds them."""
+    rng = np.random.default_rng(3)
+    L, B, K, C, E, T = 2, 2, 3, 16, 8, 5
+    for name in ("f32", "bf16"):
+        f = get_format(name)
+        for kind in ("k", "v"):
+            s = f.init((L, B, K, C, E), kind)
+            by_channel = name == "f32" and kind == "k"
+            assert f._by_channel(kind) == by_channel
+            assert s["q"].shape == ((L, B, K, E, C) if by_channel else (L, B, K, C, E))
+            x = rng.normal(size=(B, K, T, E)).astype(np.float32)
+            x = x.astype(jnp.bfloat16).astype(np.float32) if name == "bf16" else x
+            slots = np.stack([rng.permutation(C + 1)[:T] for _ in range(B * K)]).reshape(B, K, T)
+            s = jwrite(f, s, 1, jnp.asarray(slots, jnp.int32), x, kind)
+            want = np.zeros((L, B, K, C + 1, E), np.float32)
+            want[1, np.arange(B)[:, None, None], np.arange(K)[None, :, None], slots] = x
+            want = want[:, :, :, :C]  # slot C: dropped
+            for layer in range(L):
+                np.testing.assert_array_equal(np.asarray(jread(f, s, layer, kind)), want[layer])
+            np.testing.assert_array_equal(np.asarray(f.values(s, kind)), want)
+            back = f.holding(jnp.asarray(want), kind)
+            np.testing.assert_array_equal(np.asarray(back["q"]), np.asarray(s["q"]))
+
+
 # ----------------------------------------------------------------------------- packing
 
 

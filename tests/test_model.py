@@ -228,6 +228,29 @@ def test_attention_blocks_and_empty_cache_equal_numpy(monkeypatch, empty):
         np.testing.assert_allclose(p, want_p, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("queries_lead", [False, True])
+def test_decode_attention_either_score_order_equals_numpy(queries_lead):
+    """Few query rows (decode, G * T <= FEW_QUERIES): the cached keys lead the score product,
+    or with `queries_lead` (a channel-major key store, `KVFormat.keys_by_channel`) the queries
+    do; both equal a NumPy loop, a padding row and empty slots included."""
+    import kvjax.attention as attn
+
+    B, T, H, K, C, E = 2, 2, 6, 2, 7, 8
+    assert (H // K) * T <= attn.FEW_QUERIES
+    r = np.random.default_rng(1)
+    q, kn, vn = (r.normal(size=s).astype(np.float32) for s in ((B, T, H, E), (B, T, K, E),
+                                                                (B, T, K, E)))
+    kc, vc = r.normal(size=(2, B, K, C, E)).astype(np.float32)
+    pos_cache = np.where(r.random((B, K, C)) < 0.7, r.integers(0, 9, (B, K, C)), -1)
+    pos_new = np.asarray([[9, 10], [4, -1]])
+    want_out, want_p = np_attention(q, kn, vn, pos_new, kc, vc, pos_cache)
+    run = jax.jit(attn.attention, static_argnames=("cache_empty", "queries_lead"))
+    out, p = run(q, kn, vn, jnp.asarray(pos_new), kc, vc, jnp.asarray(pos_cache),
+                 queries_lead=queries_lead)
+    np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(p, want_p, atol=1e-6, rtol=0)
+
+
 def test_fresh_prefill_equals_scoring_the_empty_cache():
     """`forward(fresh=True)` (no scoring of an empty cache's slots) gives the logits and the
     cache of the ordinary forward, also under a policy that evicts by the prompt's attention."""
