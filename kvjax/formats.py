@@ -224,12 +224,15 @@ def _layer(a, layer):
     return jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
 
 
-def _scatter(a, layer, slots, rows):
-    """a[layer, b, k, slots[b, k, t]] = rows[b, k, t]; slot C (out of range) is dropped."""
+def _scatter(a, layer, slots, rows, by_channel: bool = False):
+    """a[layer, b, k, slots[b, k, t]] = rows[b, k, t]; slot C (out of range) is dropped.
+    by_channel: `a` holds each layer's slots last ([L, B, K, E, C]); rows are still
+    [B, K, T, E] (the [B, K, T] indices around the E slice put T before E)."""
     B, K, _ = slots.shape
     b = jnp.arange(B)[:, None, None]
     h = jnp.arange(K)[None, :, None]
-    return a.at[layer, b, h, slots].set(rows.astype(a.dtype), mode="drop")
+    at = a.at[layer, b, h, :, slots] if by_channel else a.at[layer, b, h, slots]
+    return at.set(rows.astype(a.dtype), mode="drop")
 
 
 def float_bits(x, dtype):
@@ -445,23 +448,20 @@ class _FloatFormat(KVFormat):
     def write(self, store, layer, slots, x, kind):
         with jax.named_scope("kv_format_write"):
             rows = x if self.dtype == jnp.float32 else float_bits(x, self.dtype)
-            if not self._by_channel(kind):
-                return {"q": _scatter(store["q"], layer, slots, rows)}
-            b = jnp.arange(slots.shape[0])[:, None, None]
-            h = jnp.arange(slots.shape[1])[None, :, None]
-            # [B, K, T] indices around the E slice: the update is [B, K, T, E], as `rows`
-            return {"q": store["q"].at[layer, b, h, :, slots].set(rows, mode="drop")}
+            return {"q": _scatter(store["q"], layer, slots, rows, self._by_channel(kind))}
+
+    def _decoded(self, q, kind):
+        """Stored codes [..., C, E] ([..., E, C] by channel) -> float32 values [..., C, E]."""
+        q = jnp.swapaxes(q, -1, -2) if self._by_channel(kind) else q
+        return q if self.dtype == jnp.float32 else bf16_to_f32(q)
 
     def read(self, store, layer, kind):
         with jax.named_scope("kv_format_read"):
-            q = _layer(store["q"], layer)  # [B, K, C, E] ([B, K, E, C] by channel)
-            q = jnp.swapaxes(q, -1, -2) if self._by_channel(kind) else q  # [B, K, C, E]
-            return q if self.dtype == jnp.float32 else bf16_to_f32(q)
+            return self._decoded(_layer(store["q"], layer), kind)  # [B, K, C, E]
 
     def values(self, store, kind):
         """Every layer's stored values, [L, B, K, C, E] float32 (the store is exact)."""
-        q = store["q"] if self.dtype == jnp.float32 else bf16_to_f32(store["q"])
-        return jnp.swapaxes(q, -1, -2) if self._by_channel(kind) else q
+        return self._decoded(store["q"], kind)
 
     def holding(self, x, kind):
         """The store that holds x [L, B, K, C, E] (as `values` gives it back)."""
