@@ -18,8 +18,8 @@ same `policies/` and `kernels/` (an editable install imports those from this che
 Inside each process a small wrapper (`--child`) counts JAX's compilation-cache events (hits,
 misses: programs compiled) and times the phases: imports, planning (model header, tokenizer,
 checks), loading the weights, the task, the full-cache baseline, the speed probe, W&B logging,
-and (overlapping those) JAX's tracing + lowering, which no persistent cache skips, and backend
-compiles.
+and (overlapping those) JAX's tracing + lowering, which JAX's persistent cache does not skip
+(`kvjax.programs` does, for the programs it stores), and backend compiles.
 """
 
 from __future__ import annotations
@@ -89,10 +89,12 @@ def child(overrides: list[str]) -> None:
     phases["trace_lower"] = durations["jaxpr_trace_duration"] + durations[
         "jaxpr_to_mlir_module_duration"]
     phases["backend_compile"] = durations["backend_compile_duration"]
+    stored = getattr(sys.modules.get("kvjax.programs"), "stats", {})  # absent before 2026-12-03
     print("BENCH " + json.dumps({
         "phases": dict(phases), "total_in_process": time.perf_counter() - t0,
         "xla_cache": {"requests": events["compile_requests_use_cache"],
                       "hits": events["cache_hits"], "misses": events["cache_misses"]},
+        "programs": dict(stored),
     }), flush=True)
 
 
@@ -144,6 +146,10 @@ def table(runs: dict[str, list[dict]]) -> str:
             + " |")
     lines.append("| XLA programs: from the persistent cache / compiled | " + " | ".join(
         f"{runs[c][-1]['xla_cache']['hits']} / {runs[c][-1]['xla_cache']['misses']}"
+        for c in cols) + " |")
+    lines.append("| stored programs (`kvjax.programs`): loaded / compiled / not stored | " + " | ".join(
+        "/".join(str(runs[c][-1].get("programs", {}).get(k, 0)) for k in ("loaded", "compiled",
+                                                                          "unstored"))
         for c in cols) + " |")
     lines.append("| load average (1 min) at the end | " + " | ".join(
         f"{med[c]['load_avg']:.1f}" for c in cols) + " |")

@@ -41,6 +41,7 @@ from flax import struct
 
 from kvjax.attention import attention, rope, rope_table
 from kvjax.config import ModelConfig
+from kvjax.programs import stored_jit
 
 LAYOUTS = ("dense", "paged")
 
@@ -656,7 +657,7 @@ class DenseLayout:
         return KVCache.abstract(cfg, batch, policy, fmt, max_len)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+@stored_jit(static_argnames=("cfg", "batch", "policy", "fmt", "max_len"))
 def _init_dense(cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None):
     """`KVCache.init` as one program: run eagerly, each of its zero/full buffers of a new shape
     compiles a program of its own (13 in the main job, ~0.3 s of every run)."""

@@ -11,6 +11,7 @@ the record to the results store and logs it to W&B. No Hydra here: `run.py` buil
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -35,6 +36,8 @@ from kvjax.cache import closed_form_bytes, get_layout
 from kvjax.generate import compile_start, decode, start
 from kvjax.mesh import MeshSpec, cache_specs, shard_params
 from kvjax.policies import POLICIES, get_policy
+from kvjax.programs import clear_loaded, package_roots, source_sha256
+from kvjax.programs import stats as program_stats
 from kvjax.results import (
     SCHEMA,
     WANDB_MODES,
@@ -203,38 +206,11 @@ def model_config(model: ModelSpec):
         raise ConfigError(f"model.name={model.name!r}: cannot read its header: {e}") from None
 
 
-def _package_roots() -> dict[str, Path]:
-    import kvjax
-    import kvjax.kernels
-    import kvjax.policies
-
-    return {"kvjax": Path(kvjax.__file__).parent,
-            "kvjax/policies": Path(kvjax.policies.__file__).parent,
-            "kvjax/kernels": Path(kvjax.kernels.__file__).parent}
-
-
-def source_sha256(roots: dict[str, Path]) -> str:
-    """sha256 of the Python sources under each root (prefix -> folder), named as installed, so
-    an editable and a regular install of the same code agree; a root nested in another counts
-    once, under its own prefix."""
-    nested = {r.resolve() for r in roots.values()}
-    h = hashlib.sha256()
-    for prefix, root in sorted(roots.items()):
-        root = root.resolve()
-        for f in sorted(root.rglob("*.py")):
-            inner = f.parents[: len(f.relative_to(root).parents) - 1]  # folders below root
-            if any(p in nested for p in inner):
-                continue
-            h.update(f"{prefix}/{f.relative_to(root).as_posix()}\0".encode())
-            h.update(hashlib.sha256(f.read_bytes()).digest())
-    return h.hexdigest()
-
-
 @functools.lru_cache(maxsize=1)
 def code_identity() -> dict:
     """The code a point ran: kvjax's version and a hash of its sources (the code imported at
     start, uncommitted edits included; a docs-only commit leaves it unchanged)."""
-    return {"version": _version("kvjax"), "source_sha256": source_sha256(_package_roots())[:16]}
+    return {"version": _version("kvjax"), "source_sha256": source_sha256(package_roots())[:16]}
 
 
 def resolve_text_task(task: Task, tokenizer, text: str, source: str) -> tuple[Task, int | None]:
@@ -759,6 +735,7 @@ def release_compiled_near_map_limit(fraction: float = 0.5) -> bool:
     if held <= fraction * limit:
         return False
     jax.clear_caches()
+    clear_loaded()
     return True
 
 
@@ -779,6 +756,7 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
     for note in plan_.notes:
         echo(f"note: {note}")
     release_compiled_near_map_limit()
+    programs_before = collections.Counter(program_stats)
     t_start = time.perf_counter()
     model = load(spec.model)
     cfg = model.cfg
@@ -813,6 +791,7 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
         probe_cache = result.cache
         timings |= {"prefill_s": None, "decode_tok_s": None}
     timings["total_s"] = time.perf_counter() - t_start
+    timings["programs"] = dict(program_stats - programs_before)  # stored programs of this point
 
     task = spec.task
     value = result.metrics[task.metric]

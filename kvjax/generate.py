@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 
@@ -16,9 +15,10 @@ from kvjax.config import ModelConfig
 from kvjax.mesh import to_numpy
 from kvjax.model import forward
 from kvjax.policies.base import Observers, Policy
+from kvjax.programs import stored_jit
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "fresh"), donate_argnames=("cache",))
+@stored_jit(static_argnames=("cfg", "fresh"), donate_argnames=("cache",))
 def prefill_chunk(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid, last_idx,
                   fresh: bool = False):
     """One prompt chunk: tokens [B, T] (right-padded, n_valid [B] real), returns the logits at
@@ -29,7 +29,7 @@ def prefill_chunk(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid, las
     return logits[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@stored_jit(static_argnames=("cfg",), donate_argnames=("cache",))
 def decode_step(params, token, cache: KVCache, cfg: ModelConfig):
     """One token per row: token [B] -> logits [B, V] and the new cache. Compiles once."""
     logits, cache = forward(params, token[:, None], cache, cfg)
@@ -122,7 +122,7 @@ def compile_start(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], po
                   max_len: int | None = None, chunk: int | None = None, layout=None,
                   decode_too: bool = False) -> dict[str, float] | None:
     """Compile what `start` runs for prompts of these lengths without running the model: the
-    empty cache and the prefill chunk's program (ahead of time, `jit(...).lower().compile()`),
+    empty cache and the prefill chunk's program (ahead of time, `StoredJit.compile`),
     so that a timed `start` runs compiled code only; with `decode_too`, also what `decode`
     runs greedily on the cache `start` returns (the step and the sampler). Returns the seconds
     each took ({"prefill": s, "decode": s}), or None, having compiled nothing but the empty
@@ -134,15 +134,14 @@ def compile_start(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], po
     if policy.mode == "compress":
         return None
     toks, n_valid, last_idx, _ = next(_chunks(prompts, chunk))
-    prefill_chunk.lower(params, toks, cache, cfg, n_valid, last_idx,
-                        _fresh(prompts, chunk, cache)).compile()
+    prefill_chunk.compile(params, toks, cache, cfg, n_valid, last_idx,
+                          _fresh(prompts, chunk, cache))
     seconds = {"prefill": time.perf_counter() - t}
     if decode_too:  # evict mode: the cache keeps its shapes through the prefill
         t = time.perf_counter()
         token = jnp.zeros((len(prompts),), jnp.int32)
-        decode_step.lower(params, token, cache, cfg).compile()
-        sample.lower(jnp.zeros((len(prompts), cfg.vocab_size), jnp.float32), None, 0.0,
-                     1.0).compile()
+        decode_step.compile(params, token, cache, cfg)
+        sample.compile(jnp.zeros((len(prompts), cfg.vocab_size), jnp.float32), None, 0.0, 1.0)
         seconds["decode"] = time.perf_counter() - t
     return seconds
 
@@ -166,7 +165,7 @@ def decode(params, cfg: ModelConfig, logits, cache, n: int, *, temperature: floa
     return tokens, cache
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
+@stored_jit(static_argnames=("temperature", "top_p"))
 def sample(logits, key, temperature: float = 0.0, top_p: float = 1.0):
     """Greedy when temperature == 0, else temperature + nucleus (top-p) sampling. [B, V] -> [B]."""
     if temperature == 0.0:

@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, plan, run
 from kvjax.loading.hub import cache_root
 from kvjax.mesh import MeshSpec
+from kvjax.programs import set_program_store
 from kvjax.results import ResultsStore, prepare_wandb, record_failure
 from kvjax.tasks import TASKS, get_task
 from kvjax.tasks.base import INTERRUPTED, on_sigint
@@ -99,6 +100,7 @@ class RunConf:
     progress: bool | None = None
     allow_dirty: bool = True
     xla_cache: str | None = None
+    program_store: str | None = None
     speed: SpeedConf = dataclasses.field(default_factory=SpeedConf)
     cache: CacheConf = dataclasses.field(default_factory=CacheConf)
     mesh: MeshConf = dataclasses.field(default_factory=MeshConf)
@@ -285,6 +287,7 @@ def main(cfg: DictConfig):
         handler = signal.signal(signal.SIGINT, on_sigint)
     try:
         set_xla_cache(cfg.xla_cache)
+        set_program_store(cfg.program_store)
         prepare_wandb(spec.wandb.mode)
         out = run(planned, run_dir(), echo)
         return objective(out.record or out.existing, cfg.objective.max_cache_bytes,

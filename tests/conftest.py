@@ -43,6 +43,14 @@ set_xla_cache(str(cache_root() / f"xla-tests-{XLA_CACHE_MIN_COMPILE_S}s"))
 
 
 @pytest.fixture(autouse=True)
+def _no_program_store(monkeypatch):
+    """Tests that run `harness.main` turn run.py's program store on; it stays in that test."""
+    from kvjax import programs
+
+    monkeypatch.setattr(programs, "_store", None)
+
+
+@pytest.fixture(autouse=True)
 def _map_limit():
     """A test worker compiles hundreds of programs; past half of vm.max_map_count it drops the
     compiled ones (`release_compiled_near_map_limit`: at the limit XLA crashes the worker)."""

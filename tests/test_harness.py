@@ -431,8 +431,32 @@ def test_xla_cache_follows_kvjax_cache(tmp_path, monkeypatch):
     folder = f"xla-{harness.XLA_CACHE_MIN_COMPILE_S}s"
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "c"))
     assert cfg_of().xla_cache == str(tmp_path / "c" / folder)
+    assert cfg_of().program_store == str(tmp_path / "c" / "programs")
     monkeypatch.delenv("KVJAX_CACHE")
     assert cfg_of().xla_cache == str(Path.home() / ".cache" / "kvjax" / folder)
+
+
+def test_a_second_run_loads_its_programs_and_records_the_same_numbers(tmp_path, monkeypatch):
+    """run.py's `program_store`: the second run of a point (a new process: nothing compiled in
+    memory) loads the task's, prefill's and decode's programs that the first one stored."""
+    import jax
+
+    from kvjax.programs import clear_loaded
+
+    monkeypatch.chdir(tmp_path)
+    store = ResultsStore(tmp_path / "r.jsonl")
+    runs = []
+    for _ in range(2):
+        clear_loaded()
+        jax.clear_caches()
+        harness.main(cfg_of(*[o for o in TINY if not o.startswith("speed.")], "speed.prompt=8",
+                            "speed.new_tokens=2", f"results={store.path}", "force=true",
+                            f"program_store={tmp_path}/programs", "xla_cache=null"))
+        runs.append(store.records()[-1])
+    first, second = (r["timings"]["programs"] for r in runs)
+    assert first["compiled"] >= 5 and "loaded" not in first  # chunk step, prefill, decode, ...
+    assert second == {"loaded": first["compiled"]}
+    assert runs[0]["metrics"] == runs[1]["metrics"]
 
 
 # ----------------------------------------------------------------------------- running

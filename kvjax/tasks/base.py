@@ -8,7 +8,6 @@ model through `forward`, so the cache policy and storage format are live through
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ from kvjax.cache import KVCache
 from kvjax.config import ModelConfig
 from kvjax.generate import generate, generate_many
 from kvjax.model import forward
+from kvjax.programs import stored_jit
 
 TASKS: dict[str, type[Task]] = {}
 
@@ -166,7 +166,7 @@ def bar(iterable, ctx: TaskContext, desc: str, total: int | None = None) -> Prog
                     dynamic_ncols=True)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@stored_jit(static_argnames=("cfg",), donate_argnames=("cache",))
 def nll_chunk(params, tokens, targets, n_valid, cache: KVCache, cfg: ModelConfig):
     """Forward one chunk; nll [B, T] of each target (the next token) and the new cache."""
     logits, cache = forward(params, tokens, cache, cfg, n_valid)
@@ -174,7 +174,7 @@ def nll_chunk(params, tokens, targets, n_valid, cache: KVCache, cfg: ModelConfig
     return -jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache", "ref_cache"))
+@stored_jit(static_argnames=("cfg",), donate_argnames=("cache", "ref_cache"))
 def agreement_chunk(params, tokens, targets, n_valid, cache, ref_cache, cfg: ModelConfig):
     """One chunk through the run's cache and a full f32 reference cache side by side.
 

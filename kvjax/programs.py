@@ -1,0 +1,242 @@
+"""Compiled programs kept on disk across runs, so that a warm run skips JAX's tracing too.
+
+JAX's persistent compilation cache (`kvjax.harness.set_xla_cache`) skips XLA's compile, but
+every process still traces and lowers each program before it can look one up: 7 s of the
+19 s warm main job on a 2-core AVX2 box (docs/benchmarks.md, "Warm sweep point"). `stored_jit`
+is `jax.jit` whose compiled executables are also written to a folder
+(`jax.experimental.serialize_executable`) and loaded back by a later process without tracing.
+
+A program's file name is a hash of everything that changes the executable: the function (its
+name, line and closure), the sources of kvjax (and its policies and kernels), JAX's version and
+options, XLA_FLAGS, the device, the static arguments and pytree metadata (by `repr`) and every
+argument's shape and dtype. Not stored: a function outside kvjax's sources (the hash would not
+cover its code) and a static whose `repr` names an object's address. The store is off until
+`set_program_store` names a folder (run.py does), and serves one process on one device; under
+an outer trace, `stored_jit` is plain `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import hashlib
+import inspect
+import os
+import pickle
+import re
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+
+import jax
+from jax.experimental import serialize_executable
+
+_store: Path | None = None
+_instances: weakref.WeakSet = weakref.WeakSet()
+stats: collections.Counter = collections.Counter()  # programs "loaded", "compiled", "unstored"
+STORE_MAX_BYTES = 2 << 30  # least recently used programs go past this
+
+# What a fresh compile passes to XLA (XLA's default value): it changes JAX's cache key, so
+# that the executable is compiled, never loaded from JAX's persistent cache. One loaded back
+# from there serializes without its code on XLA:CPU (jax 0.10.2: "Function ..._fusion not
+# found" when run), so only freshly compiled executables are written.
+FRESH = {"xla_embed_ir_in_executable": False}
+_UNSTABLE = re.compile(r" at 0x[0-9a-f]+|object at ")
+_NOT_IN_KEY = re.compile(r"cache|log|explain")  # JAX options that do not change a program
+
+
+def set_program_store(path: str | os.PathLike | None) -> None:
+    """Keep compiled programs of `stored_jit` functions in this folder (None: off)."""
+    global _store
+    _store = None if path is None else Path(os.path.expanduser(path))
+
+
+def package_roots() -> dict[str, Path]:
+    """kvjax's source folders, by the prefix they install under."""
+    import kvjax
+    import kvjax.kernels
+    import kvjax.policies
+
+    return {"kvjax": Path(kvjax.__file__).parent,
+            "kvjax/policies": Path(kvjax.policies.__file__).parent,
+            "kvjax/kernels": Path(kvjax.kernels.__file__).parent}
+
+
+def source_sha256(roots: dict[str, Path]) -> str:
+    """sha256 of the Python sources under each root (prefix -> folder), named as installed, so
+    an editable and a regular install of the same code agree; a root nested in another counts
+    once, under its own prefix."""
+    nested = {r.resolve() for r in roots.values()}
+    h = hashlib.sha256()
+    for prefix, root in sorted(roots.items()):
+        root = root.resolve()
+        for f in sorted(root.rglob("*.py")):
+            inner = f.parents[: len(f.relative_to(root).parents) - 1]  # folders below root
+            if any(p in nested for p in inner):
+                continue
+            h.update(f"{prefix}/{f.relative_to(root).as_posix()}\0".encode())
+            h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> str:
+    """What every program's key shares: code, JAX, XLA flags, device."""
+    import jaxlib
+
+    dev = jax.devices()[0]
+    return "\n".join([
+        source_sha256(package_roots()), jax.__version__, jaxlib.__version__,
+        os.environ.get("XLA_FLAGS", ""), dev.platform, dev.device_kind,
+        getattr(dev.client, "platform_version", ""),
+        repr(sorted((k, repr(v)) for k, v in jax.config.values.items()
+                    if not _NOT_IN_KEY.search(k))),
+    ])
+
+
+def clear_loaded() -> None:
+    """Drop every program held in memory (with `jax.clear_caches`); the store keeps them."""
+    for f in list(_instances):
+        f._loaded.clear()
+
+
+def _usable() -> bool:
+    return _store is not None and jax.process_count() == 1 and jax.device_count() == 1
+
+
+@contextlib.contextmanager
+def _no_persistent_write():
+    """JAX's cache does not keep what `FRESH` compiles under a key no one asks for again
+    (its write floor raised, in this thread only, where this JAX has that option)."""
+    from jax._src import config
+
+    floor = getattr(config, "persistent_cache_min_compile_time_secs", None)
+    with floor(float("inf")) if floor is not None else contextlib.nullcontext():
+        yield
+
+
+class StoredJit:
+    """`jax.jit(fun, static_argnames=..., donate_argnames=...)`, its executables kept on disk
+    (see the module docstring). `.compile(*args)` compiles (or loads) without running;
+    `.lower`, `.trace` and the rest are the jitted function's."""
+
+    def __init__(self, fun, static_argnames=(), donate_argnames=()):
+        self.jitted = jax.jit(fun, static_argnames=static_argnames,
+                              donate_argnames=donate_argnames)
+        self._signature = inspect.signature(fun)
+        self._static = frozenset(static_argnames)
+        self._name = f"{fun.__module__}.{fun.__qualname__}"
+        self._loaded: dict = {}
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fun)
+        _instances.add(self)
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)
+
+    @functools.cached_property
+    def _identity(self) -> str | None:
+        """The function as keys name it (qualified name, line, closure); None where its file is
+        outside kvjax's sources, which the key's code hash covers."""
+        code = self.__wrapped__.__code__
+        where = Path(code.co_filename).resolve()
+        if not any(where.is_relative_to(r.resolve()) for r in package_roots().values()):
+            return None
+        cells = [c.cell_contents for c in self.__wrapped__.__closure__ or ()]
+        return f"{self._name}:{code.co_firstlineno} {cells!r}"
+
+    def __call__(self, *args, **kwargs):
+        compiled, dynamic = self._program(args, kwargs)
+        if compiled is None:
+            return self.jitted(*args, **kwargs)
+        return compiled(**dynamic)
+
+    def compile(self, *args, **kwargs):
+        """Compile (or load) the program for these arguments without running it."""
+        compiled, _ = self._program(args, kwargs)
+        return compiled if compiled is not None else self.jitted.lower(*args, **kwargs).compile()
+
+    def _program(self, args, kwargs):
+        """(the stored program for these arguments, the dynamic ones by name), or (None, None)
+        where the store does not serve them."""
+        if not _usable():
+            return None, None
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        static = tuple((k, v) for k, v in bound.arguments.items() if k in self._static)
+        dynamic = {k: v for k, v in bound.arguments.items() if k not in self._static}
+        leaves, treedef = jax.tree.flatten(dynamic)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return None, None
+        types = tuple(jax.typeof(x) for x in leaves)
+        key = (static, treedef, types)
+        compiled = self._loaded.get(key)
+        if compiled is None:
+            with self._lock:
+                compiled = self._loaded.get(key) or self._load_or_compile(bound, static,
+                                                                          treedef, types)
+                self._loaded[key] = compiled
+        return compiled, dynamic
+
+    def _load_or_compile(self, bound, static, treedef, types):
+        described = "\n".join([str(self._identity), repr(static), str(treedef), repr(types)])
+        digest = hashlib.sha256(f"{_environment()}\n{described}".encode()).hexdigest()
+        path = _store / f"{self._name.rsplit('.', 1)[-1]}-{digest[:32]}.pkl"
+        if self._identity is None or _UNSTABLE.search(described):
+            stats["unstored"] += 1  # no key that another process could trust or recognize
+            return self.jitted.trace(**bound.arguments).lower().compile()
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            with contextlib.suppress(OSError):  # its last use, for the size limit
+                os.utime(path)
+            stats["loaded"] += 1
+            return compiled
+        except FileNotFoundError:
+            pass
+        except Exception:  # noqa: BLE001  (unreadable or from another build: compile again)
+            path.unlink(missing_ok=True)
+        with _no_persistent_write():
+            compiled = self.jitted.trace(**bound.arguments).lower().compile(
+                compiler_options=FRESH)
+        try:
+            data = pickle.dumps(serialize_executable.serialize(compiled))
+        except jax.errors.JaxRuntimeError:
+            # XLA:CPU cannot serialize some executables once they have run ("`LessThan` is not
+            # serializable", a sort's comparator): JAX hands back one it compiled before in
+            # this process when another key lowers to the same program. The next process
+            # compiles it afresh and stores it.
+            stats["unserializable"] += 1
+            return compiled
+        _write(path, data)
+        stats["compiled"] += 1
+        return compiled
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write atomically, then drop the least recently used programs past `STORE_MAX_BYTES`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as f:
+        f.write(data)
+    os.replace(f.name, path)
+    held = []
+    for p in path.parent.glob("*.pkl"):
+        with contextlib.suppress(OSError):  # another process may be dropping it
+            st = p.stat()
+            held.append((st.st_mtime, st.st_size, p))
+    total = 0
+    for _, size, p in sorted(held, reverse=True):
+        total += size
+        if total > STORE_MAX_BYTES and p != path:
+            p.unlink(missing_ok=True)
+
+
+def stored_jit(fun=None, *, static_argnames=(), donate_argnames=()):
+    """Decorator: `StoredJit` of `fun` (as `functools.partial(jax.jit, ...)` would be used)."""
+    if fun is None:
+        return functools.partial(stored_jit, static_argnames=static_argnames,
+                                 donate_argnames=donate_argnames)
+    return StoredJit(fun, static_argnames, donate_argnames)

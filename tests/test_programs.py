@@ -1,0 +1,152 @@
+"""Compiled programs kept on disk (`kvjax.programs`): loaded back, they compute what `jax.jit`
+computes; their key covers what changes a program; a bad file, an outer trace and an unstable
+static fall back to compiling."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import programs
+from kvjax.cache import copy, init_cache
+from kvjax.config import tiny_config
+from kvjax.formats import get_format
+from kvjax.generate import sample
+from kvjax.model import init_params, to_device
+from kvjax.policies import get_policy
+from kvjax.programs import clear_loaded, stats, stored_jit
+from kvjax.tasks.base import nll_chunk
+
+CFG = tiny_config()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """Params, a chunk of 12 tokens with targets, and a sliding-window f32 cache of 8 slots."""
+    params = to_device(init_params(CFG, jax.random.PRNGKey(0)))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (1, 13), 0, CFG.vocab_size)
+    cache = init_cache(CFG, 1, get_policy("window", budget=8), get_format("f32"), 16)
+    return params, ids[:, :12], ids[:, 1:], jnp.array([12], jnp.int32), cache
+
+
+def new_process():
+    """Forget every compiled program, as a new process starts (JAX's own included: XLA:CPU may
+    not serialize an executable that has run, and JAX would hand one back)."""
+    clear_loaded()
+    jax.clear_caches()
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """The store on, in a fresh folder, nothing compiled in memory."""
+    monkeypatch.setattr(programs, "_store", tmp_path / "programs")
+    new_process()
+    stats.clear()
+    yield tmp_path / "programs"
+    new_process()
+
+
+@contextlib.contextmanager
+def programs_off():
+    store = programs._store
+    programs.set_program_store(None)
+    try:
+        yield
+    finally:
+        programs.set_program_store(store)
+
+
+def files(store):
+    return sorted(store.glob("*.pkl")) if store.exists() else []
+
+
+def same(a, b):
+    return all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_a_program_loaded_back_computes_what_jit_computes(setup, store):
+    params, toks, tgts, nv, _ = setup
+    with programs_off():  # an h2o/int4 cache that evicts in this chunk
+        cache = init_cache(CFG, 1, get_policy("h2o", budget=8, window=2),
+                           get_format("int4", group=4), 16)
+    want = nll_chunk.jitted(params, toks, tgts, nv, copy(cache), CFG)
+    first = nll_chunk(params, toks, tgts, nv, copy(cache), CFG)
+    assert stats == {"compiled": 1} and len(files(store)) == 1
+    new_process()
+    donated = copy(cache)
+    again = nll_chunk(params, toks, tgts, nv, donated, CFG)
+    assert stats == {"compiled": 1, "loaded": 1} and len(files(store)) == 1
+    assert same(first, want) and same(again, want)
+    assert float(jnp.abs(want[0]).sum()) > 0  # a real NLL, not zeros
+    assert all(x.is_deleted() for x in jax.tree.leaves(donated))  # the cache is still donated
+    nll_chunk.compile(params, toks, tgts, nv, copy(cache), CFG)  # held: nothing new
+    assert stats == {"compiled": 1, "loaded": 1}
+
+
+def test_the_key_covers_shapes_statics_and_code(setup, store, monkeypatch):
+    params, toks, tgts, nv, cache = setup
+    base = nll_chunk(params, toks, tgts, nv, copy(cache), CFG)
+    nll_chunk(params, toks[:, :4], tgts[:, :4], nv // 3, copy(cache), CFG)
+    assert len(files(store)) == 2
+    other = dataclasses.replace(CFG, rope_theta=CFG.rope_theta * 4)
+    moved = nll_chunk(params, toks, tgts, nv, copy(cache), other)
+    assert len(files(store)) == 3 and not same(moved[0], base[0])
+    new_process()
+    monkeypatch.setattr(programs, "source_sha256", lambda roots: "edited")
+    programs._environment.cache_clear()
+    try:
+        nll_chunk(params, toks, tgts, nv, copy(cache), CFG)
+    finally:
+        programs._environment.cache_clear()
+    assert len(files(store)) == 4 and stats["loaded"] == 0
+
+
+def test_an_unreadable_file_is_compiled_again(setup, store):
+    params, toks, tgts, nv, cache = setup
+    want = nll_chunk(params, toks, tgts, nv, copy(cache), CFG)
+    (path,) = files(store)
+    path.write_bytes(b"not a program")
+    new_process()
+    assert same(nll_chunk(params, toks, tgts, nv, copy(cache), CFG), want)
+    assert stats == {"compiled": 2} and files(store) == [path] and path.stat().st_size > 1000
+
+
+def test_under_an_outer_trace_it_is_jit(setup, store):
+    params, toks, tgts, nv, cache = setup
+    outer = jax.jit(lambda p, c: nll_chunk(p, toks, tgts, nv, c, CFG)[0].sum())
+    assert np.isclose(float(outer(params, copy(cache))),
+                      float(nll_chunk.jitted(params, toks, tgts, nv, copy(cache), CFG)[0].sum()))
+    assert not files(store) and not stats
+
+
+def test_what_another_process_could_not_trust_or_recognize_is_not_stored(store):
+    f = stored_jit(lambda x: x + 1)  # outside kvjax's sources: its code is not in the key
+    assert float(f(jnp.float32(1))) == 2.0
+
+    class Window(type(get_policy("window", budget=8))):
+        __repr__ = object.__repr__  # names an address
+
+    init_cache(CFG, 1, Window(budget=8), get_format("f32"), 16)
+    assert not files(store) and stats == {"unstored": 2}
+
+
+def test_off_it_writes_nothing(setup, tmp_path, monkeypatch):
+    monkeypatch.setattr(programs, "_store", None)
+    params, toks, tgts, nv, cache = setup
+    stats.clear()
+    nll_chunk(params, toks, tgts, nv, copy(cache), CFG)
+    assert not stats and not list(tmp_path.iterdir())
+
+
+def test_the_store_drops_the_least_recently_used_past_its_size(store, monkeypatch):
+    sample(jnp.zeros((1, 3)), None)
+    (one,) = files(store)
+    monkeypatch.setattr(programs, "STORE_MAX_BYTES", one.stat().st_size + 10)
+    sample(jnp.zeros((1, 4)), None)
+    assert len(files(store)) == 1 and files(store) != [one]
