@@ -35,13 +35,14 @@ from jax.experimental import serialize_executable
 
 _store: Path | None = None
 _instances: weakref.WeakSet = weakref.WeakSet()
-stats: collections.Counter = collections.Counter()  # programs "loaded", "compiled", "unstored"
+# programs "loaded", "compiled" (and stored), "deferred" (to the next run), "unstored"
+stats: collections.Counter = collections.Counter()
 STORE_MAX_BYTES = 2 << 30  # least recently used programs go past this
 
-# What a fresh compile passes to XLA (XLA's default value): it changes JAX's cache key, so
-# that the executable is compiled, never loaded from JAX's persistent cache. One loaded back
-# from there serializes without its code on XLA:CPU (jax 0.10.2: "Function ..._fusion not
-# found" when run), so only freshly compiled executables are written.
+# Only executables XLA has just compiled are written: one that JAX loaded back from its own
+# persistent cache serializes without its code on XLA:CPU (jax 0.10.2: "Function ..._fusion
+# not found" when it runs). What a compile for the store passes to XLA (XLA's default value):
+# it changes JAX's cache key, so that the program is compiled, never loaded from that cache.
 FRESH = {"xla_embed_ir_in_executable": False}
 _UNSTABLE = re.compile(r" at 0x[0-9a-f]+|object at ")
 _NOT_IN_KEY = re.compile(r"cache|log|explain")  # JAX options that do not change a program
@@ -104,6 +105,32 @@ def clear_loaded() -> None:
 
 def _usable() -> bool:
     return _store is not None and jax.process_count() == 1 and jax.device_count() == 1
+
+
+def _jax_cache_on() -> bool:
+    return bool(jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache)
+
+
+_local = threading.local()
+
+
+def _count_event(event: str, **_) -> None:
+    counts = getattr(_local, "events", None)
+    if counts is not None:
+        counts[event] += 1
+
+
+@contextlib.contextmanager
+def _thread_events():
+    """JAX's monitoring events recorded in this thread inside the block, by name."""
+    if not getattr(_count_event, "registered", False):
+        jax.monitoring.register_event_listener(_count_event)
+        _count_event.registered = True
+    _local.events = collections.Counter()
+    try:
+        yield _local.events
+    finally:
+        _local.events = None
 
 
 @contextlib.contextmanager
@@ -199,9 +226,23 @@ class StoredJit:
             pass
         except Exception:  # noqa: BLE001  (unreadable or from another build: compile again)
             path.unlink(missing_ok=True)
-        with _no_persistent_write():
-            compiled = self.jitted.trace(**bound.arguments).lower().compile(
-                compiler_options=FRESH)
+        lowered = self.jitted.trace(**bound.arguments).lower()
+        seen = path.with_suffix(".seen")
+        if _jax_cache_on() and not seen.exists():
+            # A program whose code is new to the store (kvjax was edited) may still be in JAX's
+            # cache: take it from there for this run, and store it only if JAX compiled it
+            # afresh (it wrote it). Else the next run compiles it afresh and stores it: the
+            # first run after an edit costs no more than before the store existed.
+            with _thread_events() as events:
+                compiled = lowered.compile()
+            if not events["/jax/compilation_cache/cache_misses"]:
+                _write(seen, b"")
+                stats["deferred"] += 1
+                return compiled
+        else:
+            with _no_persistent_write():
+                compiled = lowered.compile(compiler_options=FRESH)
+        seen.unlink(missing_ok=True)
         try:
             data = pickle.dumps(serialize_executable.serialize(compiled))
         except jax.errors.JaxRuntimeError:

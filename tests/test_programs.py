@@ -4,6 +4,7 @@ static fall back to compiling."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 
@@ -43,8 +44,11 @@ def new_process():
 
 @pytest.fixture
 def store(tmp_path, monkeypatch):
-    """The store on, in a fresh folder, nothing compiled in memory."""
+    """The store on, in a fresh folder, nothing compiled in memory; as if JAX's persistent cache
+    were off, so that every compile is fresh and stored at once (`test_a_program_jax_could_...`
+    covers the other way)."""
     monkeypatch.setattr(programs, "_store", tmp_path / "programs")
+    monkeypatch.setattr(programs, "_jax_cache_on", lambda: False)
     new_process()
     stats.clear()
     yield tmp_path / "programs"
@@ -87,6 +91,24 @@ def test_a_program_loaded_back_computes_what_jit_computes(setup, store):
     assert all(x.is_deleted() for x in jax.tree.leaves(donated))  # the cache is still donated
     nll_chunk.compile(params, toks, tgts, nv, copy(cache), CFG)  # held: nothing new
     assert stats == {"compiled": 1, "loaded": 1}
+
+
+def test_a_program_jax_may_have_served_is_stored_by_the_next_run(setup, store, monkeypatch):
+    """With JAX's cache on, a program that JAX did not compile and write this run (it may come
+    from JAX's cache, whose executables do not serialize whole) is used as it is, and the next
+    run compiles it for the store. (One that JAX wrote, the event `_thread_events` watches, is
+    stored at once: `bench_sweep_point`'s cold run shows it on the real model.)"""
+    monkeypatch.setattr(programs, "_jax_cache_on", lambda: True)
+    monkeypatch.setattr(programs, "_thread_events",
+                        lambda: contextlib.nullcontext(collections.Counter()))
+    params, toks, tgts, nv, cache = setup
+    want = nll_chunk.jitted(params, toks, tgts, nv, copy(cache), CFG)
+    for expect in ({"deferred": 1}, {"deferred": 1, "compiled": 1},
+                   {"deferred": 1, "compiled": 1, "loaded": 1}):
+        new_process()
+        assert same(nll_chunk(params, toks, tgts, nv, copy(cache), CFG), want)
+        assert stats == expect
+    assert [p.suffix for p in store.iterdir()] == [".pkl"]
 
 
 def test_the_key_covers_shapes_statics_and_code(setup, store, monkeypatch):
