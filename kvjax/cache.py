@@ -30,7 +30,6 @@ impl="pallas")` builds a `kvjax.paged.PagedCache` (a page pool with block tables
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, ClassVar
 
@@ -466,7 +465,7 @@ class HeadPool(KVCache):
                                                    flat].set(heads, mode="drop"))
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "capacity", "select"))
+@stored_jit(static_argnames=("policy", "capacity", "select"))
 def rebuild(cache: KVCache, n_keep, policy, capacity: int, select: bool) -> KVCache:
     """A new cache of `capacity` slots per kv head holding, per layer, the slots of `cache`
     that `policy.select(view, n_keep)` keeps (select=True: the compress-mode selection; the
