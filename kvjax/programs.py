@@ -111,7 +111,8 @@ def _jax_cache_on() -> bool:
     return bool(jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache)
 
 
-_local = threading.local()
+_local = threading.local()  # .events: this thread's JAX events while `_thread_events` runs
+_listening = []  # our listener, once registered
 
 
 def _count_event(event: str, **_) -> None:
@@ -123,9 +124,9 @@ def _count_event(event: str, **_) -> None:
 @contextlib.contextmanager
 def _thread_events():
     """JAX's monitoring events recorded in this thread inside the block, by name."""
-    if not getattr(_count_event, "registered", False):
+    if not _listening:
         jax.monitoring.register_event_listener(_count_event)
-        _count_event.registered = True
+        _listening.append(_count_event)
     _local.events = collections.Counter()
     try:
         yield _local.events
