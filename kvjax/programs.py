@@ -92,9 +92,15 @@ def _environment() -> str:
         source_sha256(package_roots()), jax.__version__, jaxlib.__version__,
         os.environ.get("XLA_FLAGS", ""), dev.platform, dev.device_kind,
         getattr(dev.client, "platform_version", ""),
-        repr(sorted((k, repr(v)) for k, v in jax.config.values.items()
+        repr(sorted((k, _stable_repr(v)) for k, v in jax.config.values.items()
                     if not _NOT_IN_KEY.search(k))),
     ])
+
+
+def _stable_repr(value) -> str:
+    """repr, or the type's name where repr names an address (the same in every process)."""
+    r = repr(value)
+    return type(value).__qualname__ if _UNSTABLE.search(r) else r
 
 
 def clear_loaded() -> None:
