@@ -147,6 +147,19 @@ def test_under_an_outer_trace_it_is_jit(setup, store):
     assert not files(store) and not stats
 
 
+def test_under_jax_debug_modes_and_inside_a_trace_it_is_jit(setup, store):
+    """disable_jit and debug_nans need jit's own path; a call with only static arguments inside
+    an outer trace is traced, not run (`_init_dense` under `eval_shape`)."""
+    params, toks, tgts, nv, cache = setup
+    with jax.disable_jit():
+        nll_chunk(params, toks, tgts, nv, copy(cache), CFG)
+    with jax.debug_nans(True):
+        nll_chunk(params, toks, tgts, nv, copy(cache), CFG)
+    jax.eval_shape(lambda: init_cache(CFG, 1, get_policy("window", budget=8), get_format("f32"),
+                                      16))
+    assert not files(store) and not stats
+
+
 def test_what_another_process_could_not_trust_or_recognize_is_not_stored(store):
     f = stored_jit(lambda x: x + 1)  # outside kvjax's sources: its code is not in the key
     assert float(f(jnp.float32(1))) == 2.0
