@@ -8,17 +8,20 @@ is `jax.jit` whose compiled executables are also written to a folder
 
 A program's file name is a hash of everything that changes the executable: the function (its
 name, line and closure), the sources of kvjax (and its policies and kernels), JAX's version and
-options, XLA_FLAGS, the device, the static arguments and pytree metadata (by `repr`) and every
-argument's shape and dtype. Not stored: a function outside kvjax's sources (the hash would not
-cover its code) and a static whose `repr` names an object's address. The store is off until
-`set_program_store` names a folder (run.py does), and serves one process on one device; under
-an outer trace, `stored_jit` is plain `jax.jit`.
+options (this thread's too: matmul precision, x64), XLA_FLAGS, the device and the CPU's
+instruction set, the static arguments and pytree metadata (by `repr` and by the classes they
+are built of) and every argument's shape and dtype. Not stored: a function or a static's class
+defined outside kvjax (the hash would not cover its code) and a static whose `repr` names an
+object's address. The store is off until `set_program_store` names a folder (run.py does), and
+serves one process on one device; under an outer trace, `stored_jit` is plain `jax.jit`. A
+store that cannot be read or written warns and the run goes on without it.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -27,6 +30,7 @@ import pickle
 import re
 import tempfile
 import threading
+import warnings
 import weakref
 from pathlib import Path
 
@@ -83,17 +87,37 @@ def source_sha256(roots: dict[str, Path]) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _environment() -> str:
-    """What every program's key shares: code, JAX, XLA flags, device."""
+def _machine() -> str:
+    """What every program's key shares and a process cannot change: code, JAX, XLA flags, the
+    device and, on CPU, the instruction set XLA compiles for (a store may be shared)."""
     import jaxlib
 
     dev = jax.devices()[0]
     return "\n".join([
         source_sha256(package_roots()), jax.__version__, jaxlib.__version__,
         os.environ.get("XLA_FLAGS", ""), dev.platform, dev.device_kind,
-        getattr(dev.client, "platform_version", ""),
+        getattr(dev.client, "platform_version", ""), _cpu_flags() if dev.platform == "cpu" else "",
+    ])
+
+
+def _cpu_flags() -> str:
+    """The host CPU's feature flags (Linux; empty elsewhere, where the device kind stands)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    return ""
+
+
+def _environment() -> str:
+    """`_machine` and JAX's options now: global ones and this thread's (precision, x64...)."""
+    from jax._src import config
+
+    return "\n".join([
+        _machine(),
         repr(sorted((k, _stable_repr(v)) for k, v in jax.config.values.items()
                     if not _NOT_IN_KEY.search(k))),
+        repr([_stable_repr(v) for v in config.trace_context()]),
     ])
 
 
@@ -101,6 +125,43 @@ def _stable_repr(value) -> str:
     """repr, or the type's name where repr names an address (the same in every process)."""
     r = repr(value)
     return type(value).__qualname__ if _UNSTABLE.search(r) else r
+
+
+_TRUSTED = ("builtins", "kvjax", "jax", "jaxlib", "numpy", "ml_dtypes")  # versions in the key
+
+
+def _classes(obj, seen: set | None = None) -> set[str]:
+    """The classes (module.qualname) an argument's value is built of, walking containers and
+    dataclass fields: `repr` names a class by its qualified name only, and the key's code hash
+    covers only kvjax's classes."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+        return set()
+    seen.add(id(obj))
+    cls = obj if isinstance(obj, type) else type(obj)
+    found = {f"{cls.__module__}.{cls.__qualname__}"}
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        items = list(obj)
+    elif isinstance(obj, dict):
+        items = [*obj.keys(), *obj.values()]
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
+    else:
+        items = []
+    for item in items:
+        found |= _classes(item, seen)
+    return found
+
+
+def _node_data(treedef) -> list:
+    """Every node's (type, metadata) in a pytree structure: a cache's policy and format ride
+    in it as static metadata."""
+    data = treedef.node_data()
+    return [data, *(d for c in treedef.children() for d in _node_data(c))]
+
+
+def _foreign(classes: set[str]) -> bool:
+    return any(c.split(".", 1)[0] not in _TRUSTED for c in classes)
 
 
 def clear_loaded() -> None:
@@ -117,6 +178,13 @@ def _usable() -> bool:
     return (_store is not None and jax.process_count() == 1 and jax.device_count() == 1
             and core.trace_state_clean() and not jax.config.jax_disable_jit
             and not jax.config.jax_debug_nans and not jax.config.jax_debug_infs)
+
+
+def _trace_context():
+    """JAX's options that jit keys its own cache on (matmul precision, x64, ...), as set now."""
+    from jax._src import config
+
+    return config.trace_context()
 
 
 def _jax_cache_on() -> bool:
@@ -184,8 +252,11 @@ class StoredJit:
         where = Path(code.co_filename).resolve()
         if not any(where.is_relative_to(r.resolve()) for r in package_roots().values()):
             return None
-        cells = [c.cell_contents for c in self.__wrapped__.__closure__ or ()]
-        return f"{self._name}:{code.co_firstlineno} {cells!r}"
+        return f"{self._name}:{code.co_firstlineno} {self._cells!r}"
+
+    @functools.cached_property
+    def _cells(self) -> list:
+        return [c.cell_contents for c in self.__wrapped__.__closure__ or ()]
 
     def __call__(self, *args, **kwargs):
         compiled, dynamic = self._program(args, kwargs)
@@ -210,7 +281,7 @@ class StoredJit:
         leaves, treedef = jax.tree.flatten(dynamic)
         # an Array's aval is cached on it: typeof of every leaf cost ~5x the decode dispatch
         types = tuple(x.aval if isinstance(x, jax.Array) else jax.typeof(x) for x in leaves)
-        key = (static, treedef, types)
+        key = (static, treedef, types, _trace_context())
         compiled = self._loaded.get(key)
         if compiled is None:
             with self._lock:
@@ -220,11 +291,15 @@ class StoredJit:
         return compiled, dynamic
 
     def _load_or_compile(self, bound, static, treedef, types):
-        described = "\n".join([str(self._identity), repr(static), str(treedef), repr(types)])
+        classes = _classes([static, _node_data(treedef), self._cells])
+        described = "\n".join([str(self._identity), repr(static), str(treedef), repr(types),
+                               repr(sorted(classes))])
         digest = hashlib.sha256(f"{_environment()}\n{described}".encode()).hexdigest()
         path = _store / f"{self._name.rsplit('.', 1)[-1]}-{digest[:32]}.pkl"
-        if self._identity is None or _UNSTABLE.search(described):
-            stats["unstored"] += 1  # no key that another process could trust or recognize
+        if self._identity is None or _UNSTABLE.search(described) or _foreign(classes):
+            # no key that another process could trust or recognize: a class outside kvjax
+            # (its code is not hashed), an address in a repr
+            stats["unstored"] += 1
             return self.jitted.trace(**bound.arguments).lower().compile()
         try:
             with open(path, "rb") as f:
@@ -236,11 +311,14 @@ class StoredJit:
             return compiled
         except FileNotFoundError:
             pass
+        except OSError as e:  # the store cannot be read: compile, as without it
+            _store_failed(e)
         except Exception:  # noqa: BLE001  (unreadable or from another build: compile again)
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
         lowered = self.jitted.trace(**bound.arguments).lower()
         seen = path.with_suffix(".seen")
-        if _jax_cache_on() and not seen.exists():
+        if _jax_cache_on() and not _exists(seen):
             # A program whose code is new to the store (kvjax was edited) may still be in JAX's
             # cache: take it from there for this run, and store it only if JAX compiled it
             # afresh (it wrote it). Else the next run compiles it afresh and stores it: the
@@ -254,7 +332,8 @@ class StoredJit:
         else:
             with _no_persistent_write():
                 compiled = lowered.compile(compiler_options=FRESH)
-        seen.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            seen.unlink(missing_ok=True)
         try:
             data = pickle.dumps(serialize_executable.serialize(compiled))
         except jax.errors.JaxRuntimeError:
@@ -264,17 +343,42 @@ class StoredJit:
             # compiles it afresh and stores it.
             stats["unserializable"] += 1
             return compiled
-        _write(path, data)
-        stats["compiled"] += 1
+        if _write(path, data):
+            stats["compiled"] += 1
         return compiled
 
 
-def _write(path: Path, data: bytes) -> None:
-    """Write atomically, then drop the least recently used programs past `STORE_MAX_BYTES`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as f:
-        f.write(data)
-    os.replace(f.name, path)
+def _store_failed(error: OSError) -> None:
+    """The store's folder cannot be read or written (permissions, a full disk): say so, once
+    per place, and go on without it."""
+    warnings.warn(f"program store {_store}: {error}; compiling without it", stacklevel=3)
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError as e:
+        _store_failed(e)
+        return True  # (a `.seen` marker: compile afresh, which is always right)
+
+
+def _write(path: Path, data: bytes) -> bool:
+    """Write atomically (readable by all, for a store shared between users), then drop the
+    least recently used programs past `STORE_MAX_BYTES`. False where the write failed."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as f:
+            tmp = f.name
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        _store_failed(e)
+        return False
     held = []
     for p in path.parent.glob("*.pkl"):
         with contextlib.suppress(OSError):  # another process may be dropping it
@@ -284,7 +388,9 @@ def _write(path: Path, data: bytes) -> None:
     for _, size, p in sorted(held, reverse=True):
         total += size
         if total > STORE_MAX_BYTES and p != path:
-            p.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                p.unlink(missing_ok=True)
+    return True
 
 
 def stored_jit(fun=None, *, static_argnames=(), donate_argnames=()):

@@ -82,6 +82,7 @@ def test_a_program_loaded_back_computes_what_jit_computes(setup, store):
     want = nll_chunk.jitted(params, toks, tgts, nv, copy(cache), CFG)
     first = nll_chunk(params, toks, tgts, nv, copy(cache), CFG)
     assert stats == {"compiled": 1} and len(files(store)) == 1
+    assert files(store)[0].stat().st_mode & 0o777 == 0o644  # a store users can share
     new_process()
     donated = copy(cache)
     again = nll_chunk(params, toks, tgts, nv, donated, CFG)
@@ -121,12 +122,30 @@ def test_the_key_covers_shapes_statics_and_code(setup, store, monkeypatch):
     assert len(files(store)) == 3 and not same(moved[0], base[0])
     new_process()
     monkeypatch.setattr(programs, "source_sha256", lambda roots: "edited")
-    programs._environment.cache_clear()
+    programs._machine.cache_clear()
     try:
         nll_chunk(params, toks, tgts, nv, copy(cache), CFG)
     finally:
-        programs._environment.cache_clear()
+        programs._machine.cache_clear()
     assert len(files(store)) == 4 and stats["loaded"] == 0
+
+
+def test_the_key_covers_jax_options_set_in_a_context_and_the_cpu(store, monkeypatch):
+    """Matmul precision (a context jit keys its own cache on) changes the program, in memory and
+    on disk; so does the CPU's instruction set, for a store shared between machines."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 8))
+    sample(x, None)
+    with jax.default_matmul_precision("highest"):
+        sample(x, None)
+    assert stats == {"compiled": 2} and len(files(store)) == 2
+    new_process()
+    monkeypatch.setattr(programs, "_cpu_flags", lambda: "avx2 another-cpu")
+    programs._machine.cache_clear()
+    try:
+        sample(x, None)
+    finally:
+        programs._machine.cache_clear()
+    assert stats == {"compiled": 3} and len(files(store)) == 3
 
 
 def test_an_unreadable_file_is_compiled_again(setup, store):
@@ -168,7 +187,27 @@ def test_what_another_process_could_not_trust_or_recognize_is_not_stored(store):
         __repr__ = object.__repr__  # names an address
 
     init_cache(CFG, 1, Window(budget=8), get_format("f32"), 16)
-    assert not files(store) and stats == {"unstored": 2}
+
+    class Mine(type(get_policy("window", budget=8))):
+        """Defined outside kvjax, with a stable repr: its code is not in the key either."""
+
+    init_cache(CFG, 1, Mine(budget=8), get_format("f32"), 16)
+    assert not files(store) and stats == {"unstored": 3}
+
+
+def test_a_store_it_cannot_write_warns_and_computes(setup, tmp_path, monkeypatch):
+    """An unwritable or full store costs the programs it would keep, never the run."""
+    monkeypatch.setattr(programs, "_store", tmp_path / "a-file")
+    monkeypatch.setattr(programs, "_jax_cache_on", lambda: False)
+    (tmp_path / "a-file").write_text("not a folder")
+    params, toks, tgts, nv, cache = setup
+    new_process()
+    stats.clear()
+    with pytest.warns(UserWarning, match="a-file"):
+        got = nll_chunk(params, toks, tgts, nv, copy(cache), CFG)
+    assert same(got, nll_chunk.jitted(params, toks, tgts, nv, copy(cache), CFG))
+    assert not stats and [p.name for p in tmp_path.iterdir()] == ["a-file"]
+    new_process()
 
 
 def test_off_it_writes_nothing(setup, tmp_path, monkeypatch):
