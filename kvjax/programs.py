@@ -35,6 +35,7 @@ import weakref
 from pathlib import Path
 
 import jax
+from jax._src import config as jax_config  # trace_context: what jit keys on
 from jax.experimental import serialize_executable
 
 _store: Path | None = None
@@ -111,13 +112,11 @@ def _cpu_flags() -> str:
 
 def _environment() -> str:
     """`_machine` and JAX's options now: global ones and this thread's (precision, x64...)."""
-    from jax._src import config
-
     return "\n".join([
         _machine(),
         repr(sorted((k, _stable_repr(v)) for k, v in jax.config.values.items()
                     if not _NOT_IN_KEY.search(k))),
-        repr([_stable_repr(v) for v in config.trace_context()]),
+        repr([_stable_repr(v) for v in jax_config.trace_context()]),
     ])
 
 
@@ -178,13 +177,6 @@ def _usable() -> bool:
     return (_store is not None and jax.process_count() == 1 and jax.device_count() == 1
             and core.trace_state_clean() and not jax.config.jax_disable_jit
             and not jax.config.jax_debug_nans and not jax.config.jax_debug_infs)
-
-
-def _trace_context():
-    """JAX's options that jit keys its own cache on (matmul precision, x64, ...), as set now."""
-    from jax._src import config
-
-    return config.trace_context()
 
 
 def _jax_cache_on() -> bool:
@@ -281,7 +273,7 @@ class StoredJit:
         leaves, treedef = jax.tree.flatten(dynamic)
         # an Array's aval is cached on it: typeof of every leaf cost ~5x the decode dispatch
         types = tuple(x.aval if isinstance(x, jax.Array) else jax.typeof(x) for x in leaves)
-        key = (static, treedef, types, _trace_context())
+        key = (static, treedef, types, jax_config.trace_context())  # precision, x64
         compiled = self._loaded.get(key)
         if compiled is None:
             with self._lock:
