@@ -2,8 +2,8 @@
 
 Storage of k and v belongs to the cache's format (`kvjax.formats`), so the model never knows
 whether slots hold f32 or packed int4; what each slot holds belongs to the policy. Writes go
-through `write`, which scatters only the written slots of one layer (the cache rides in the
-layer scan's carry, so a decode step never copies the whole cache).
+through `write`, which scatters only the written slots (of one layer, or of every layer at
+once), so a decode step never copies the whole cache.
 
 Compress mode (`policy.mode="compress"`): the prompt is prefilled into a cache with room for
 all of it, then `cache.compress(extra)` keeps the slots the policy selects and leaves `extra`
@@ -22,8 +22,8 @@ impl="pallas")` builds a `kvjax.paged.PagedCache` (a page pool with block tables
         view = cache.layer_view(layer, fresh)  # fresh (static): no token cached yet
         out, probs = cache.attend(view, q, k, v, pos_new, rope_theta)   # q, k unrotated
         update = cache.update(view, k, v, pos_new, probs, rope_theta)   # what to store
-    per layer, write-only scan:
-        cache = cache.store(layer, update, pos_new)
+    then every layer's updates at once (stacked by the scan):
+        cache = cache.store_layers(updates, pos_new)  # batched, or a scan of cache.store
     cache = cache.finish(n_valid)                          # lengths (paged: page eviction)
 """
 
@@ -40,6 +40,7 @@ from flax import struct
 
 from kvjax.attention import attention, rope, rope_table
 from kvjax.config import ModelConfig
+from kvjax.formats import scatter_slots
 from kvjax.programs import stored_jit
 
 LAYOUTS = ("dense", "paged")
@@ -255,20 +256,20 @@ class KVCache:
         """Store a chunk in one layer at the policy's slots (slot C = not stored).
 
         slots: [B, K, T]; k_new, v_new: [B, T, K, E]; pos_new: [B, T]; stats: the layer's stats.
+        Or a block of n layers (`store_layers`): `layer` [n] their indices, and slots, k_new,
+        v_new and stats with a leading [n].
         """
         with jax.named_scope("cache_update"):
-            B, K, _ = slots.shape
-            kt = jnp.swapaxes(k_new, 1, 2).astype(jnp.float32)  # [B, K, T, E]
-            vt = jnp.swapaxes(v_new, 1, 2).astype(jnp.float32)  # [B, K, T, E]
+            kt = jnp.swapaxes(k_new, -3, -2).astype(jnp.float32)  # [(n,) B, K, T, E]
+            vt = jnp.swapaxes(v_new, -3, -2).astype(jnp.float32)  # [(n,) B, K, T, E]
             valid = (pos_new >= 0)[:, None, :, None]  # [B, 1, T, 1]
-            bad = ~jnp.all(jnp.where(valid, jnp.isfinite(kt) & jnp.isfinite(vt), True))
-            b = jnp.arange(B)[:, None, None]
-            h = jnp.arange(K)[None, :, None]
-            pos_b = jnp.broadcast_to(pos_new[:, None, :], slots.shape)  # [B, K, T]
+            ok = jnp.where(valid, jnp.isfinite(kt) & jnp.isfinite(vt), True)
+            bad = ~jnp.all(ok, axis=(-4, -3, -2, -1))  # [(n,)]
+            pos_b = jnp.broadcast_to(pos_new[:, None, :], slots.shape)  # [(n,) B, K, T]
             return self.replace(
                 k=self.fmt.write(self.k, layer, slots, kt, "k"),
                 v=self.fmt.write(self.v, layer, slots, vt, "v"),
-                pos=self.pos.at[layer, b, h, slots].set(pos_b, mode="drop"),
+                pos=scatter_slots(self.pos, layer, slots, pos_b),
                 stats=jax.tree.map(lambda s, n: s.at[layer].set(n), self.stats, stats),
                 nonfinite=self.nonfinite.at[layer].set(self.nonfinite[layer] | bad),
             )
@@ -334,12 +335,40 @@ class KVCache:
         slots, k, v, stats = update
         return self.write(layer, slots, k, v, pos_new, stats)
 
+    def store_layers(self, updates, pos_new) -> KVCache:
+        """Every layer's `update` (each leaf with a leading [L]), written in blocks of as many
+        layers as the format takes at once (`fmt.layers_per_write`: a decode step writes all
+        30 of SmolLM2's in one go; docs/benchmarks.md, "Writes of layers in blocks")."""
+        slots, k = updates[:2]
+        L, B, K, T = slots.shape
+        n = self.fmt.layers_per_write(L, B, K, T, k.shape[-1])
+        if n == 1:
+            return store_by_layer(self, updates, pos_new)
+
+        def body(c, xs):
+            i, (sl, kb, vb, st) = xs
+            return c.write(i * n + jnp.arange(n, dtype=jnp.int32), sl, kb, vb, pos_new, st), None
+
+        blocks = jax.tree.map(lambda a: a.reshape((L // n, n) + a.shape[1:]), updates)
+        return jax.lax.scan(body, self, (jnp.arange(L // n, dtype=jnp.int32), blocks))[0]
+
     def finish(self, n_valid) -> KVCache:
         return self.replace(length=self.length + n_valid)
 
     def check_finite(self) -> None:
         """Raise (on the host) naming the layers whose keys/values held NaN or inf."""
         check_nonfinite(self.nonfinite)
+
+
+def store_by_layer(cache, updates, pos_new):
+    """`store_layers` as a scan of `cache.store` over the layers: for a layout whose write is
+    per layer (a head pool, pages)."""
+    def body(c, xs):
+        layer, update = xs
+        return c.store(layer, update, pos_new), None
+
+    n = jax.tree.leaves(updates)[0].shape[0]
+    return jax.lax.scan(body, cache, (jnp.arange(n, dtype=jnp.int32), updates))[0]
 
 
 def owner_dtype(n_heads: int):
@@ -447,6 +476,9 @@ class HeadPool(KVCache):
         heads = jnp.arange(self.n_heads, dtype=view.owner.dtype)[None, :, None]  # [1, K, 1]
         pos = jnp.where(view.owner == heads, view.pos, -1)  # [B, K, P]
         return super().attend(dataclasses.replace(view, pos=pos), q, k, v, pos_new, rope_theta)
+
+    def store_layers(self, updates, pos_new) -> HeadPool:
+        return store_by_layer(self, updates, pos_new)
 
     def write(self, layer, slots, k_new, v_new, pos_new, stats) -> HeadPool:
         """Store each (head, token) at its pool slot: slots [B, K, T] (P = not stored)."""

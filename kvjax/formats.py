@@ -6,8 +6,12 @@ A format is a frozen, hashable dataclass (a static jit argument) with three pure
   layer axis, for shape = (L, B, K, C, E) (how a leaf orders its axes is the format's own:
   f32 holds keys channel-major, see `F32`);
 * `write(store, layer, slots, x, kind)`: encode a chunk x [B, K, T, E] into one layer at the
-  policy's slots [B, K, T] (slot C = drop). It runs inside the layer scan with the store in the
-  carry, so it scatters only the written slots (and the small metadata of their groups);
+  policy's slots [B, K, T] (slot C = drop). It scatters only the written slots (and the small
+  metadata of their groups), so the store is updated in place;
+* `layers_per_write(L, B, K, T, E)`: how many layers one `write` may take at once (a block
+  of n consecutive layers: `layer` [n] their indices, slots [n, B, K, T], x [n, B, K, T, E]);
+  1 by default (`_LayerBatched` formats take more; the cache writes a chunk's layers block by
+  block after the layer scan);
 * `read(store, layer, kind)`: the dequantized slots of one layer, [B, K, C, E] float32.
 
 Formats: f32, bf16, fp8 (e4m3, per-token scale), int8 (symmetric, per token), int4 and int2
@@ -219,19 +223,36 @@ def _check_shape(shape) -> tuple[int, int, int, int, int]:
     return shape
 
 
+WRITE_BLOCK_BYTES = 4 << 20  # a block write's float32 working set (`_LayerBatched`)
+
+
 def _layer(a, layer):
-    """One layer's slice of a stacked store leaf (traced layer index)."""
+    """One layer's slice of a stacked store leaf (traced index), or a block's: `layer` [n]
+    consecutive indices."""
+    if jnp.ndim(layer):
+        return jax.lax.dynamic_slice_in_dim(a, layer[0], layer.shape[0], 0)
     return jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
 
 
-def _scatter(a, layer, slots, rows, by_channel: bool = False):
+def _set_layer(a, x, layer):
+    """`a` with `_layer(a, layer)` replaced by x."""
+    if jnp.ndim(layer):
+        return jax.lax.dynamic_update_slice_in_dim(a, x, layer[0], 0)
+    return jax.lax.dynamic_update_index_in_dim(a, x, layer, 0)
+
+
+def scatter_slots(a, layer, slots, rows, by_channel: bool = False):
     """a[layer, b, k, slots[b, k, t]] = rows[b, k, t]; slot C (out of range) is dropped.
     by_channel: `a` holds each layer's slots last ([L, B, K, E, C]); rows are still
-    [B, K, T, E] (the [B, K, T] indices around the E slice put T before E)."""
-    B, K, _ = slots.shape
-    b = jnp.arange(B)[:, None, None]
-    h = jnp.arange(K)[None, :, None]
-    at = a.at[layer, b, h, :, slots] if by_channel else a.at[layer, b, h, slots]
+    [B, K, T, E] (the [B, K, T] indices around the E slice put T before E).
+    A block of layers: `layer` [n] their indices, slots [n, B, K, T], rows [n, B, K, T, ...]."""
+    lead = slots.shape[:-1]
+    idx = [jnp.arange(n).reshape((n,) + (1,) * (len(lead) - i)) for i, n in enumerate(lead)]
+    if jnp.ndim(layer):
+        idx[0] = layer.reshape(idx[0].shape)
+    else:
+        idx = [layer, *idx]
+    at = a.at[(*idx, slice(None), slots)] if by_channel else a.at[(*idx, slots)]
     return at.set(rows.astype(a.dtype), mode="drop")
 
 
@@ -390,6 +411,10 @@ class KVFormat:
     def write(self, store: dict, layer, slots, x, kind: str) -> dict:
         raise NotImplementedError
 
+    def layers_per_write(self, L: int, B: int, K: int, T: int, E: int) -> int:
+        """Layers one `write` takes at once (see the module docstring): here 1."""
+        return 1
+
     def read(self, store: dict, layer, kind: str):
         raise NotImplementedError
 
@@ -426,8 +451,28 @@ class KVFormat:
         return None
 
 
+class _LayerBatched(KVFormat):
+    """A format whose `write` takes a block of layers in its leading dims. A chunk's keys and
+    values used to be written by a scan over the layers, and a per-channel int4 key write ran
+    its ~100 small ops once per layer; in blocks of n layers they run L / n times
+    (docs/benchmarks.md, "Writes of layers in blocks"). n is the most layers (a divisor of L)
+    whose working set (chunk plus key residual, float32) stays within `WRITE_BLOCK_BYTES`: all
+    of them in a decode step, fewer for a long prompt, whose working arrays would otherwise
+    grow with L. The stores are bit-identical to a write per layer."""
+
+    def _residual_rows(self) -> int:
+        """Full-precision rows a key write works through besides the chunk's, per (layer, row,
+        kv head)."""
+        return 0
+
+    def layers_per_write(self, L, B, K, T, E):
+        per_layer = B * K * (T + self._residual_rows()) * E * 4
+        return max(n for n in range(1, L + 1) if L % n == 0
+                   and (n == 1 or n * per_layer <= WRITE_BLOCK_BYTES))
+
+
 @dataclasses.dataclass(frozen=True)
-class _FloatFormat(KVFormat):
+class _FloatFormat(_LayerBatched):
     """Values stored as a float dtype, no metadata (bf16 as its uint16 bits, see `float_bits`)."""
 
     dtype: ClassVar = jnp.float32
@@ -448,7 +493,7 @@ class _FloatFormat(KVFormat):
     def write(self, store, layer, slots, x, kind):
         with jax.named_scope("kv_format_write"):
             rows = x if self.dtype == jnp.float32 else float_bits(x, self.dtype)
-            return {"q": _scatter(store["q"], layer, slots, rows, self._by_channel(kind))}
+            return {"q": scatter_slots(store["q"], layer, slots, rows, self._by_channel(kind))}
 
     def _decoded(self, q, kind):
         """Stored codes [..., C, E] ([..., E, C] by channel) -> float32 values [..., C, E]."""
@@ -493,7 +538,7 @@ class BF16(_FloatFormat):
 
 
 @dataclasses.dataclass(frozen=True)
-class _ScaledFormat(KVFormat):
+class _ScaledFormat(_LayerBatched):
     """One code per element plus one float16 scale per (slot, kv head)."""
 
     code_dtype: ClassVar = jnp.int8
@@ -519,7 +564,7 @@ class _ScaledFormat(KVFormat):
     def write(self, store, layer, slots, x, kind):
         with jax.named_scope("kv_format_write"):
             d = self._encode(x)  # q [B, K, T, E], scale [B, K, T, 1]
-            return {n: _scatter(store[n], layer, slots, d[n]) for n in ("q", "scale")}
+            return {n: scatter_slots(store[n], layer, slots, d[n]) for n in ("q", "scale")}
 
     def read(self, store, layer, kind):
         with jax.named_scope("kv_format_read"):
@@ -560,7 +605,7 @@ class Int8(_ScaledFormat):
 
 
 @dataclasses.dataclass(frozen=True)
-class _IntFormat(KVFormat):
+class _IntFormat(_LayerBatched):
     """Asymmetric groupwise int4 / int2, packed into uint8 (KIVI-style).
 
     Values (and keys with key_mode="token") are quantized per token, groups of `group`
@@ -619,6 +664,9 @@ class _IntFormat(KVFormat):
 
     def channel_keys(self, kind: str) -> bool:
         return kind == "k" and self.key_mode == "channel"
+
+    def _residual_rows(self) -> int:
+        return self.n_open * self.group if self.channel_keys("k") else 0
 
     def shared_by(self, n_heads: int) -> KVFormat:
         """Every head keeps its residual of recent full-precision keys inside the pool."""
@@ -691,7 +739,7 @@ class _IntFormat(KVFormat):
             if self.channel_keys(kind):
                 return self._write_channel(store, layer, slots, x)
             d = quantize_per_token(x, self.bits, self.group_of(kind))  # [B, K, T, ...]
-            return {n: _scatter(store[n], layer, slots, d[n]) for n in ("q", "scale", "zero")}
+            return {n: scatter_slots(store[n], layer, slots, d[n]) for n in ("q", "scale", "zero")}
 
     def read(self, store, layer, kind):
         with jax.named_scope("kv_format_read"):
@@ -722,7 +770,7 @@ class _IntFormat(KVFormat):
 
     def _write_channel(self, store, layer, slots, x):
         """Per-channel keys: plan every (row, head) with `_channel_plan`, then scatter."""
-        C = store["q"].shape[3]
+        C = store["q"].shape[-2]
         plan = _channel_plan(
             _layer(store["res"], layer),  # [B, K, S, g, E]
             _layer(store["res_group"], layer),  # [B, K, S]
@@ -735,11 +783,11 @@ class _IntFormat(KVFormat):
         )
         out = dict(store)
         for n in ("q", "scale", "zero"):
-            out[n] = _scatter(store[n], layer, plan["dest"], plan[n])
+            out[n] = scatter_slots(store[n], layer, plan["dest"], plan[n])
         for n in ("cscale", "czero"):  # group NG (not sealed now) is dropped
-            out[n] = _scatter(store[n], layer, plan["meta_dest"], plan[n])
+            out[n] = scatter_slots(store[n], layer, plan["meta_dest"], plan[n])
         for n in ("res", "res_group", "res_mask"):
-            out[n] = jax.lax.dynamic_update_index_in_dim(store[n], plan[n], layer, 0)
+            out[n] = _set_layer(store[n], plan[n], layer)
         return out
 
 

@@ -3,9 +3,9 @@
 Prefill, decode (T = 1) and streaming perplexity are the same call on chunks of T >= 1 tokens.
 Layers run under `jax.lax.scan`, so compile time does not grow with depth, over params whose
 layer matrices are stacked [L, ...] (training, conversion) or split into one buffer per layer
-(`split_layers`, what inference loads: the matmuls read them in place); a second scan stores
-each layer's new slots in place. The model talks to the cache only through
-its protocol (`begin`, `layer_view`, `attend`, `update`, `store`, `finish`; see kvjax/cache.py),
+(`split_layers`, what inference loads: the matmuls read them in place); then every layer's new
+slots are stored in place at once. The model talks to the cache only through its protocol
+(`begin`, `layer_view`, `attend`, `update`, `store_layers`, `finish`; see kvjax/cache.py),
 so the dense `KVCache` and the paged `kvjax.paged.PagedCache` run the same code.
 """
 
@@ -143,23 +143,18 @@ def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None, logi
     pos_new = jnp.where(t[None] < n_valid[:, None], cache.length[:, None] + t[None], -1)  # [B, T]
     x = params["embed"][tokens]  # [B, T, D]
 
-    # Two scans per group of layers (one group unless the policy gives layers different
-    # budgets): the first only reads the cache, the second only writes it. Writing inside the
-    # first (reads and writes of one buffer with no data dependency between them) makes XLA copy
-    # the whole stacked cache every layer; split, every write is an in-place scatter.
+    # Per group of layers (one group unless the policy gives layers different budgets): a scan
+    # that only reads the cache, then every layer's writes at once. Writing inside the scan
+    # (reads and writes of one buffer with no data dependency between them) makes XLA copy the
+    # whole stacked cache every layer; after it, every write is an in-place scatter, batched
+    # over the layers where the layout and format allow (`store_layers`).
     done = []
     for lo, hi, seg in cache.segments():
         def body(x, layer, seg=seg, lo=lo, hi=hi):
             return _layer(cfg, params["layers"], lo, hi, x, pos_new, seg, layer, fresh)
 
         x, writes = jax.lax.scan(body, x, jnp.arange(lo, hi, dtype=jnp.int32))
-
-        def store(c, xs):
-            layer, write = xs
-            return c.store(layer, write, pos_new), None
-
-        seg, _ = jax.lax.scan(store, seg, (jnp.arange(hi - lo, dtype=jnp.int32), writes))
-        done.append(seg)
+        done.append(seg.store_layers(writes, pos_new))
     cache = cache.join(done)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]

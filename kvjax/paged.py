@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.attention import attention, rope
-from kvjax.cache import check_nonfinite
+from kvjax.cache import check_nonfinite, store_by_layer
 from kvjax.formats import store_nbytes
 from kvjax.kernels.paged_attention import (
     NO_PAGE,
@@ -152,8 +152,8 @@ class PagedCache:
     Per forward call: `begin` (once, outside the layer scans) releases the pages the rule drops
     once the chunk is in and reserves pages for the chunk's kept tokens; per layer, `attend`
     reads the pool through the tables as they were before `begin` and `update` returns the keys
-    and values to store; a second scan `store`s them (copy-on-write copies first); `finish`
-    advances the lengths.
+    and values to store; `store_layers` scans `store` over them (copy-on-write copies first);
+    `finish` advances the lengths.
 
     Eviction follows the policy's `PageRule` (window W, sinks; e.g. window: W = budget, sinks 0;
     streaming: W = budget - n_sink, sinks = n_sink): after each forward call a row keeps the
@@ -417,6 +417,9 @@ class PagedCache:
     def update(self, view: PagedView, k, v, pos_new, probs, rope_theta: float):
         """What to store: keys rotated at their absolute positions, and values."""
         return rope(k, pos_new[:, :, None], rope_theta), v
+
+    def store_layers(self, updates, pos_new) -> PagedCache:
+        return store_by_layer(self, updates, pos_new)
 
     def store(self, layer, update, pos_new) -> PagedCache:
         """Write one layer's chunk into its reserved pages (inside the write-only scan)."""

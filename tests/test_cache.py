@@ -107,3 +107,42 @@ def test_the_cache_does_not_import_the_policies():
             "assert not [m for m in sys.modules if m.startswith('kvjax.policies')], "
             "[m for m in sys.modules if m.startswith('kvjax.policies')]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("policy,fmt,kw", [
+    ("h2o", "int4", {"window": 4}), ("streaming", "bf16", {}), ("full", "int8", {}),
+    ("lru", "f32", {"window": 4}), ("tova", "int2", {})])
+def test_store_layers_in_blocks_equals_a_store_per_layer(policy, fmt, kw, monkeypatch):
+    """`forward` writes a chunk's layers in blocks (`KVCache.store_layers`): every layer at once,
+    in blocks of 2 (a small WRITE_BLOCK_BYTES, as a long prompt gets) and one at a time
+    (`store_by_layer`) leave bit-identical caches and logits, through a prompt and evicting
+    decode steps."""
+    from kvjax import formats
+    from kvjax.cache import store_by_layer
+    from kvjax.model import forward as fwd
+
+    cfg = tiny_config(n_layers=4)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    opts = {"group": 8} if fmt in ("int4", "int2") else {}
+    pol = get_policy(policy, **kw) if policy == "full" else get_policy(policy, budget=16, **kw)
+    toks = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, cfg.vocab_size)
+
+    def run():
+        step = jax.jit(lambda p, t, c: fwd(p, t, c, cfg))  # traced anew under each setting
+        cache = KVCache.init(cfg, 2, pol, get_format(fmt, **opts), 64)
+        outs = []
+        for lo, hi in [(0, 24), *((t, t + 1) for t in range(24, 40))]:
+            logits, cache = step(params, toks[:, lo:hi], cache)
+            outs.append(logits)
+        return outs, cache
+
+    every = run()
+    monkeypatch.setattr(formats, "WRITE_BLOCK_BYTES", 2 * 2 * 2 * (24 + 8) * 8 * 4)
+    assert get_format(fmt, **opts).layers_per_write(4, 2, 2, 24, 8) == 2
+    in_twos = run()
+    monkeypatch.setattr(KVCache, "store_layers", store_by_layer)
+    alone = run()
+    for other in (in_twos, alone):
+        for a, b in zip(jax.tree.leaves(every), jax.tree.leaves(other), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(every[1].pos.max()) == 39  # the cache holds the last token

@@ -385,6 +385,68 @@ def test_protocol_write_read_in_scan(name, opts, kind):
     assert np.abs(after).max() < 1e3
 
 
+BLOCKED = [
+    *ALL,
+    ("int4", {"group": 8, "residual": 16}),  # per-channel keys, two open groups
+    ("int2", {"group": 8}),
+]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def block_write(fmt, store, slots, x, kind, n):
+    """Write layers n at a time (`layer` [n] consecutive indices), as `KVCache.store_layers`."""
+    L = slots.shape[0]
+
+    def blocks(a):
+        return a.reshape((L // n, n) + a.shape[1:])
+
+    def body(s, inp):
+        i, sl, xl = inp
+        return fmt.write(s, i * n + jnp.arange(n, dtype=jnp.int32), sl, xl, kind), None
+
+    return jax.lax.scan(body, store, (jnp.arange(L // n), blocks(slots), blocks(x)))[0]
+
+
+@pytest.mark.parametrize("name,opts", BLOCKED, ids=[f"{n}-{o}" for n, o in BLOCKED])
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_a_block_of_layers_is_written_bit_identically_to_each_layer_alone(name, opts, kind):
+    """A write of n layers at once (what `forward` does after its layer scan) stores exactly
+    what a write per layer would: prompt chunks in order, then tokens at random per-layer slots
+    (evictions) with drops, so per-channel keys seal, flush and keep their residual."""
+    L, B, K, C, E = 4, 2, 2, 32, 16
+    fmt = get_format(name, **opts)
+    assert fmt.layers_per_write(L, B, K, 1, E) == L  # a decode step: every layer at once
+    rng = np.random.default_rng(5)
+    stores = [fmt.init((L, B, K, C, E), kind)] * 3
+    for step in range(8):
+        T = 6 if step < 4 else 1
+        if step < 4:  # in order: 24 slots, three groups of 8 sealed
+            slots = np.broadcast_to(np.arange(step * T, step * T + T, dtype=np.int32),
+                                    (L, B, K, T))
+        else:
+            slots = rng.integers(0, C + 1, (L, B, K, T)).astype(np.int32)  # C: dropped
+        x = jnp.asarray(rng.normal(size=(L, B, K, T, E)).astype(np.float32))
+        slots = jnp.asarray(slots)
+        stores = [scan_write(fmt, stores[0], slots, x, kind)[0],
+                  block_write(fmt, stores[1], slots, x, kind, 2),
+                  block_write(fmt, stores[2], slots, x, kind, L)]
+        for other in stores[1:]:
+            for a, b in zip(jax.tree.leaves(stores[0]), jax.tree.leaves(other), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert max(float(jnp.abs(jread(fmt, stores[1], layer, kind)).max())
+               for layer in range(L)) > 0.1  # something was stored
+
+
+def test_layers_per_write_bounds_the_working_set():
+    """All layers of a decode step at once; a long prompt in blocks whose float32 working set
+    stays within WRITE_BLOCK_BYTES; formats that route layers (kv_keep) one at a time."""
+    assert get_format("int4").layers_per_write(30, 1, 3, 1, 64) == 30
+    n = get_format("int4").layers_per_write(30, 1, 3, 2048, 64)
+    assert 30 % n == 0 and 1 <= n < 30 and n * 3 * (2048 + 64) * 64 * 4 <= F.WRITE_BLOCK_BYTES
+    assert get_format("f32").layers_per_write(30, 1, 3, 1 << 20, 64) == 1
+    assert get_format("int4", keep_layers=(1,)).layers_per_write(30, 1, 3, 1, 64) == 1
+
+
 def test_protocol_matches_pure_codec():
     """write+read of per-token formats == the public pure encode/decode (the kernel reuses them)."""
     rng = np.random.default_rng(3)
