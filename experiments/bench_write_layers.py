@@ -10,7 +10,11 @@ both versions of the same step (the per-layer one with `KVCache.store_layers` sw
 `kvjax.cache.store_by_layer` while it traces) and times them interleaved on the real model:
 decode steps after the cached tokens each case names, and 128-token chunks (the main job's
 perplexity step). Both must leave bit-identical caches and logits (checked before timing).
-Prints medians and the ratio; --out writes the Markdown and a JSON beside it.
+Prints medians and their ratio, and the median of each round's ratio of the two (adjacent
+in time, so less exposed to a noisy machine's drift), then each compiled program's temporary buffers
+(`memory_analysis`), for these steps and for one-chunk prefills (`PREFILLS`, compiled, not
+run), whose blocks are bounded by `formats.WRITE_BLOCK_BYTES`; --out writes the Markdown and a
+JSON beside it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ CASES = [
     ("h2o/512 int4, decode", "h2o", 512, "int4", 128, 1),
     ("lru/512 int4, 128-token chunk", "lru", 512, "int4", 512, 128),
 ]
+PREFILLS = [("full f32, prefill", "f32", 2048), ("full int4, prefill", "int4", 2048)]
 
 
 @contextlib.contextmanager
@@ -52,6 +57,11 @@ def layer_by_layer():
         yield
     finally:
         KVCache.store_layers = batched
+
+
+def temp_bytes(fn, *args) -> int:
+    """The compiled program's temporary buffers (beyond its arguments and outputs)."""
+    return int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
 def main(argv=None):
@@ -76,7 +86,7 @@ def main(argv=None):
             return logits[:, 0], cache
         return jax.jit(step, donate_argnums=(2,))
 
-    setups, fns = {}, {}
+    setups, fns, temp = {}, {}, {}
     for label, pol, budget, form, n, t in CASES:
         policy = get_policy(pol, budget=budget) if budget else get_policy(pol)
         fmt = get_format(form)
@@ -90,6 +100,15 @@ def main(argv=None):
             fns[label, "by layer"] = step_fn()
             jax.block_until_ready(fns[label, "by layer"](params, chunks[0], copy(cache)))
         jax.block_until_ready(fns[label, "batched"](params, chunks[0], copy(cache)))
+        temp[label, "batched"] = temp_bytes(step_fn(), params, chunks[0], cache)
+        with layer_by_layer():
+            temp[label, "by layer"] = temp_bytes(step_fn(), params, chunks[0], cache)
+    for label, form, n in PREFILLS:
+        cache = KVCache.init(cfg, 1, get_policy("full"), get_format(form), n)
+        tokens = jnp.asarray(ids[None, :n])
+        temp[label, "batched"] = temp_bytes(step_fn(), params, tokens, cache)
+        with layer_by_layer():
+            temp[label, "by layer"] = temp_bytes(step_fn(), params, tokens, cache)
 
     def run(label, version):
         """Seconds per step over the chunks, and the final logits and cache."""
@@ -127,24 +146,38 @@ def main(argv=None):
     for label, pol, budget, form, n, t in CASES:
         med = {v: float(np.median([k[label, v] for k in kept])) for v in versions}
         ratio = med["by layer"] / med["batched"]
+        per_round = [k[label, "by layer"] / k[label, "batched"] for k in kept]
         rows.append(f"| {label} | {n} | {med['by layer'] * 1e3:.1f} | "
-                    f"{med['batched'] * 1e3:.1f} | {ratio:.2f}x |")
+                    f"{med['batched'] * 1e3:.1f} | {ratio:.2f}x | {np.median(per_round):.2f}x "
+                    f"({sum(r > 1 for r in per_round)}/{len(per_round)}) |")
         records.append({"case": label, "policy": pol, "budget": budget, "format": form,
                         "cached_tokens": n, "chunk": t, "by_layer_s": med["by layer"],
-                        "batched_s": med["batched"], "speedup": ratio})
+                        "batched_s": med["batched"], "speedup": ratio,
+                        "per_round_speedup": per_round})
+    mem_rows, mem = [], []
+    for label, t in [(c[0], c[5]) for c in CASES] + [(c[0], c[2]) for c in PREFILLS]:
+        mib = {v: temp[label, v] / 2**20 for v in versions}
+        mem_rows.append(f"| {label} | {t} | {mib['by layer']:.1f} | {mib['batched']:.1f} |")
+        mem.append({"case": label, "chunk": t, "by_layer_temp_bytes": temp[label, "by layer"],
+                    "batched_temp_bytes": temp[label, "batched"]})
     busy = [o for o in others if o is not None]
     text = "\n".join([
         (f"Medians of {len(kept)} interleaved rounds of {a.steps} steps each "
         f"({discarded} discarded as busy; other processes "
         f"{max(busy) if busy else float('nan'):.2f} cores at most); jax {jax.__version__}."), "",
         ("| case | cached tokens | per-layer writes (scan), ms/step | batched over layers, ms/step "
-        "| speed-up |"), "|---|---:|---:|---:|---:|", *rows])
+        "| speed-up | per-round speed-up, median (rounds faster) |"), "|---|---:|---:|---:|---:|---:|",
+        *rows, "",
+        "Temporary buffers of each compiled step (MiB, `memory_analysis().temp_size_in_bytes`):",
+        "", "| case | tokens in the chunk | per-layer writes | batched over layers |",
+        "|---|---:|---:|---:|", *mem_rows])
     print(text)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")
         with open(a.out.rsplit(".", 1)[0] + ".json", "w") as f:
-            json.dump({"rounds": len(kept), "steps": a.steps, "records": records}, f, indent=1)
+            json.dump({"rounds": len(kept), "steps": a.steps, "records": records,
+                       "temp": mem}, f, indent=1)
 
 
 if __name__ == "__main__":
