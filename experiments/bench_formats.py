@@ -20,8 +20,9 @@ Sections:
   random params): temporary bytes against the whole cache in f32 and one layer's dequantized
   k and v, showing that attention reads one layer at a time and never a full-precision copy.
 * `speed`: decode-step time at `--context` tokens for each format, repetitions interleaved so
-  every format sees the same machine load; then where the time goes: the 30 layers' reads and
-  writes of each format alone (writes as the cache makes them, in blocks of layers, and one
+  every format sees the same machine load; then where the time goes: the 30 layers' reads
+  (each through a decode step's attention products, as the model uses them) and writes of each
+  format alone (writes as the cache makes them, in blocks of layers, and one
   layer at a time as before `KVCache.store_layers`).
 
 Format specs: `name[:option=value...]`, e.g. `int4:group=64:key_mode=token`.
@@ -40,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.attention import attention
 from kvjax.cache import KVCache
 from kvjax.formats import byte_table, get_format
 from kvjax.generate import decode_step
@@ -196,16 +198,23 @@ def section_memory(specs, context: int) -> list[str]:
     return out
 
 
-def _layers_fn(fmt, L, B, K, C, E, what):
-    """The 30 layers' reads (with a q.k reduction so they are not dead) or one-token writes:
-    "write" in the blocks of layers the cache writes at once, "write1" one layer at a time."""
+def _layers_fn(fmt, L, B, K, C, E, what, G=1):
+    """The 30 layers' reads, each through a one-token decode step's attention products over
+    its C slots (G query heads per kv head), or one-token writes: "write" in the blocks of
+    layers the cache writes at once, "write1" one layer at a time."""
     q = jnp.ones((B, K, 1, E), jnp.float32)
     if what == "read":
+        q1 = jnp.ones((B, 1, K * G, E), jnp.float32)  # [B, T, H, E]
+        kv1 = jnp.ones((B, 1, K, E), jnp.float32)  # [B, T, K, E]
+        pos_new = jnp.full((B, 1), C, jnp.int32)  # [B, T]
+        pos_cache = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, K, C))  # [B, K, C]
+
         def run(k, v):
             def body(acc, layer):
-                kk = fmt.read(k, layer, "k")  # [B, K, C, E]
-                vv = fmt.read(v, layer, "v")
-                return acc + jnp.einsum("bkte,bkce->", q, kk) + jnp.einsum("bkce->", vv), None
+                out, _ = attention(q1, kv1, kv1, pos_new, fmt.read(k, layer, "k"),
+                                   fmt.read(v, layer, "v"), pos_cache,
+                                   queries_lead=fmt.keys_by_channel)
+                return acc + out.sum(), None
             return jax.lax.scan(body, 0.0, jnp.arange(L, dtype=jnp.int32))[0]
         return jax.jit(run)
 
@@ -237,7 +246,7 @@ def section_speed(specs, context: int, reps: int, batch: int = 1) -> list[str]:
             lg, c = decode_step(params, tok, c, cfg)
         jax.block_until_ready(lg)
         caches[spec], times[spec], reads[spec], writes[spec], writes1[spec] = c, [], [], [], []
-        rfn, wfn, w1fn = (_layers_fn(fmt, L, batch, K, context, E, what)
+        rfn, wfn, w1fn = (_layers_fn(fmt, L, batch, K, context, E, what, cfg.n_heads // K)
                           for what in ("read", "write", "write1"))
         rfn(c.k, c.v).block_until_ready()
         kv = wfn(jax.tree.map(jnp.copy, c.k), jax.tree.map(jnp.copy, c.v))
@@ -269,7 +278,7 @@ def section_speed(specs, context: int, reps: int, batch: int = 1) -> list[str]:
     base = ms[specs[0]]
     out = [(f"### Decode-step time at {context} tokens (batch {batch}, real shape, random params, "
            f"{reps} interleaved repetitions, median)"), "",
-           (f"| format | step ms | speed-up vs {specs[0]} | 30 layers' k+v reads ms | "
+           (f"| format | step ms | speed-up vs {specs[0]} | 30 layers' k+v reads and attention ms | "
            "30 layers' k+v writes ms (in blocks) | (a layer at a time) |"),
            "|---|---:|---:|---:|---:|---:|"]
     for s in specs:
