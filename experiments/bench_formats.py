@@ -43,7 +43,7 @@ import numpy as np
 
 from kvjax.attention import attention
 from kvjax.cache import KVCache
-from kvjax.formats import byte_table, get_format
+from kvjax.formats import byte_table, get_format, scan_layer_blocks
 from kvjax.generate import decode_step
 from kvjax.policies import get_policy
 from kvjax.tasks.base import nll_chunk
@@ -219,17 +219,13 @@ def _layers_fn(fmt, L, B, K, C, E, what, G=1):
         return jax.jit(run)
 
     n = fmt.layers_per_write(L, B, K, 1, E) if what == "write" else 1  # as `store_layers`
+    slots = jnp.full((L, B, K, 1), C - 1, jnp.int32)  # [L, B, K, T]
+    x = jnp.broadcast_to(q, (L, *q.shape))  # [L, B, K, T, E]
 
     def run_w(k, v):
-        lead = (n,) if n > 1 else ()
-        slots = jnp.full((*lead, B, K, 1), C - 1, jnp.int32)
-        x = jnp.broadcast_to(q, (*lead, *q.shape))
-
-        def body(kv, i):
-            k, v = kv
-            layer = i * n + jnp.arange(n, dtype=jnp.int32) if n > 1 else i
-            return (fmt.write(k, layer, slots, x, "k"), fmt.write(v, layer, slots, x, "v")), None
-        return jax.lax.scan(body, (k, v), jnp.arange(L // n, dtype=jnp.int32))[0]
+        def write(kv, layer, sx):
+            return tuple(fmt.write(s, layer, *sx, kind) for s, kind in zip(kv, "kv"))
+        return scan_layer_blocks(write, (k, v), (slots, x), n)
     return jax.jit(run_w, donate_argnums=(0, 1))
 
 

@@ -52,7 +52,7 @@ PREFILLS = [("full f32, prefill", "f32", 2048), ("full int4, prefill", "int4", 2
 def layer_by_layer():
     """Dense caches store through a scan of per-layer writes (the code before store_layers)."""
     batched = KVCache.store_layers
-    KVCache.store_layers = lambda self, updates, pos_new: store_by_layer(self, updates, pos_new)
+    KVCache.store_layers = store_by_layer
     try:
         yield
     finally:

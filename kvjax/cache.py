@@ -40,7 +40,7 @@ from flax import struct
 
 from kvjax.attention import attention, rope, rope_table
 from kvjax.config import ModelConfig
-from kvjax.formats import scatter_slots
+from kvjax.formats import scan_layer_blocks, scatter_slots
 from kvjax.programs import stored_jit
 
 LAYOUTS = ("dense", "paged")
@@ -341,16 +341,8 @@ class KVCache:
         30 of SmolLM2's in one go; docs/benchmarks.md, "Writes of layers in blocks")."""
         slots, k = updates[:2]
         L, B, K, T = slots.shape
-        n = self.fmt.layers_per_write(L, B, K, T, k.shape[-1])
-        if n == 1:
-            return store_by_layer(self, updates, pos_new)
-
-        def body(c, xs):
-            i, (sl, kb, vb, st) = xs
-            return c.write(i * n + jnp.arange(n, dtype=jnp.int32), sl, kb, vb, pos_new, st), None
-
-        blocks = jax.tree.map(lambda a: a.reshape((L // n, n) + a.shape[1:]), updates)
-        return jax.lax.scan(body, self, (jnp.arange(L // n, dtype=jnp.int32), blocks))[0]
+        return store_by_layer(self, updates, pos_new,
+                              self.fmt.layers_per_write(L, B, K, T, k.shape[-1]))
 
     def finish(self, n_valid) -> KVCache:
         return self.replace(length=self.length + n_valid)
@@ -360,15 +352,11 @@ class KVCache:
         check_nonfinite(self.nonfinite)
 
 
-def store_by_layer(cache, updates, pos_new):
-    """`store_layers` as a scan of `cache.store` over the layers: for a layout whose write is
-    per layer (a head pool, pages)."""
-    def body(c, xs):
-        layer, update = xs
-        return c.store(layer, update, pos_new), None
-
-    n = jax.tree.leaves(updates)[0].shape[0]
-    return jax.lax.scan(body, cache, (jnp.arange(n, dtype=jnp.int32), updates))[0]
+def store_by_layer(cache, updates, pos_new, n: int = 1):
+    """`store_layers` as a scan of `cache.store` over the layers, n at a time (`store` takes a
+    block where the format does); n = 1 for a layout whose write is per layer (a head pool,
+    pages)."""
+    return scan_layer_blocks(lambda c, layer, u: c.store(layer, u, pos_new), cache, updates, n)
 
 
 def owner_dtype(n_heads: int):

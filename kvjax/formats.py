@@ -234,6 +234,22 @@ def _layer(a, layer):
     return jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
 
 
+def scan_layer_blocks(f, carry, xs, n: int):
+    """`carry` through `f(carry, layer, x)` over the layers, n consecutive ones at a time: each
+    leaf of xs leads with [L]; `layer` is a scalar index and x one layer's slice when n == 1,
+    else `layer` [n] indices and x a block [n, ...] (what a `write` of `layers_per_write`
+    layers takes)."""
+    L = jax.tree.leaves(xs)[0].shape[0]
+    if n > 1:
+        xs = jax.tree.map(lambda a: a.reshape((L // n, n) + a.shape[1:]), xs)
+
+    def body(c, ix):
+        i, x = ix
+        return f(c, i * n + jnp.arange(n, dtype=jnp.int32) if n > 1 else i, x), None
+
+    return jax.lax.scan(body, carry, (jnp.arange(L // n, dtype=jnp.int32), xs))[0]
+
+
 def _set_layer(a, x, layer):
     """`a` with `_layer(a, layer)` replaced by x."""
     if jnp.ndim(layer):

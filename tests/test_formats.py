@@ -395,16 +395,8 @@ BLOCKED = [
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def block_write(fmt, store, slots, x, kind, n):
     """Write layers n at a time (`layer` [n] consecutive indices), as `KVCache.store_layers`."""
-    L = slots.shape[0]
-
-    def blocks(a):
-        return a.reshape((L // n, n) + a.shape[1:])
-
-    def body(s, inp):
-        i, sl, xl = inp
-        return fmt.write(s, i * n + jnp.arange(n, dtype=jnp.int32), sl, xl, kind), None
-
-    return jax.lax.scan(body, store, (jnp.arange(L // n), blocks(slots), blocks(x)))[0]
+    return F.scan_layer_blocks(lambda s, layer, sx: fmt.write(s, layer, *sx, kind), store,
+                               (slots, x), n)
 
 
 @pytest.mark.parametrize("name,opts", BLOCKED, ids=[f"{n}-{o}" for n, o in BLOCKED])
