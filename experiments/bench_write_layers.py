@@ -59,6 +59,11 @@ def layer_by_layer():
         KVCache.store_layers = batched
 
 
+def traced_as(version: str):
+    """The context a version's step is traced in: "by layer" under the swap."""
+    return layer_by_layer() if version == "by layer" else contextlib.nullcontext()
+
+
 def temp_bytes(fn, *args) -> int:
     """The compiled program's temporary buffers (beyond its arguments and outputs)."""
     return int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
@@ -86,6 +91,7 @@ def main(argv=None):
             return logits[:, 0], cache
         return jax.jit(step, donate_argnums=(2,))
 
+    versions = ("by layer", "batched")
     setups, fns, temp = {}, {}, {}
     for label, pol, budget, form, n, t in CASES:
         policy = get_policy(pol, budget=budget) if budget else get_policy(pol)
@@ -95,20 +101,17 @@ def main(argv=None):
                            cfg)
         chunks = [jnp.asarray(ids[None, n + i * t:n + (i + 1) * t]) for i in range(a.steps)]
         setups[label] = (cache, chunks)
-        fns[label, "batched"] = step_fn()
-        with layer_by_layer():  # traced (and compiled) now, under the swap
-            fns[label, "by layer"] = step_fn()
-            jax.block_until_ready(fns[label, "by layer"](params, chunks[0], copy(cache)))
-        jax.block_until_ready(fns[label, "batched"](params, chunks[0], copy(cache)))
-        temp[label, "batched"] = temp_bytes(step_fn(), params, chunks[0], cache)
-        with layer_by_layer():
-            temp[label, "by layer"] = temp_bytes(step_fn(), params, chunks[0], cache)
+        for v in versions:
+            with traced_as(v):  # traced (and compiled) now, under the swap for "by layer"
+                fns[label, v] = step_fn()
+                jax.block_until_ready(fns[label, v](params, chunks[0], copy(cache)))
+                temp[label, v] = temp_bytes(fns[label, v], params, chunks[0], cache)
     for label, form, n in PREFILLS:
         cache = KVCache.init(cfg, 1, get_policy("full"), get_format(form), n)
         tokens = jnp.asarray(ids[None, :n])
-        temp[label, "batched"] = temp_bytes(step_fn(), params, tokens, cache)
-        with layer_by_layer():
-            temp[label, "by layer"] = temp_bytes(step_fn(), params, tokens, cache)
+        for v in versions:
+            with traced_as(v):
+                temp[label, v] = temp_bytes(step_fn(), params, tokens, cache)
 
     def run(label, version):
         """Seconds per step over the chunks, and the final logits and cache."""
@@ -129,8 +132,6 @@ def main(argv=None):
             if not np.array_equal(np.asarray(x), np.asarray(y)):
                 raise SystemExit(f"{label}: the two versions differ; not timing them")
     print("both versions: identical logits and caches in every case", flush=True)
-
-    versions = ("by layer", "batched")
 
     def one_round(r):
         got = {}
