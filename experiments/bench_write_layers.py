@@ -81,8 +81,9 @@ def main(argv=None):
     cfg, np_params, tokenizer = load_model("smollm2-135m")
     params = to_device(np_params)
     del np_params
-    need = max(n + a.steps * t for *_, n, t in CASES) + 1
+    need = max([n + a.steps * t for *_, n, t in CASES] + [n for *_, n in PREFILLS]) + 1
     ids = np.asarray(encode_prefix(tokenizer, default_text(), need), np.int32)
+    assert len(ids) >= need, f"the default text gives {len(ids)} tokens, {need} needed"
 
     def step_fn():
         """A jitted chunk step of its own (its own trace, so each version keeps its program)."""
