@@ -20,12 +20,12 @@ def _has(module: str) -> bool:
 TINY = ["model=tiny", "task.length=32", "task.chunk=16", "speed.prompt=0", "wandb.mode=disabled"]
 
 
-def test_submitit_local_sweep_lands_in_one_store(tmp_path):
+def test_submitit_local_sweep_lands_in_one_store(tmp_path, xla_test_cache):
     store = tmp_path / "r.jsonl"
     out = subprocess.run(
         [sys.executable, str(ROOT / "run.py"), "-m", "hydra/launcher=submitit_local", *TINY,
          "policy=window,full", "budget=16", "sweep=s", f"results={store}",
-         f"hydra.sweep.dir={tmp_path}/m", f"xla_cache={tmp_path}/xla"],
+         f"hydra.sweep.dir={tmp_path}/m", f"xla_cache={xla_test_cache}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Submitit 'local' sweep output dir" in out.stderr + out.stdout
@@ -39,14 +39,14 @@ def test_submitit_local_sweep_lands_in_one_store(tmp_path):
 
 @pytest.mark.skipif(not _has("hydra_plugins.hydra_ray_launcher"),
                     reason='the Ray launcher is an extra: pip install -e ".[ray]"')
-def test_ray_local_sweep_lands_in_one_store(tmp_path):
+def test_ray_local_sweep_lands_in_one_store(tmp_path, xla_test_cache):
     """hydra/launcher=ray starts a local Ray instance; each point is a Ray task."""
     store = tmp_path / "r.jsonl"
     out = subprocess.run(
         [sys.executable, str(ROOT / "run.py"), "-m", "hydra/launcher=ray",
          "+hydra.launcher.ray.init.num_cpus=2", "+hydra.launcher.ray.init.include_dashboard=false",
          *TINY, "policy=window,full", "budget=16", "sweep=r", f"results={store}",
-         f"hydra.sweep.dir={tmp_path}/m", f"xla_cache={tmp_path}/xla"],
+         f"hydra.sweep.dir={tmp_path}/m", f"xla_cache={xla_test_cache}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Started a local Ray instance" in out.stderr + out.stdout
@@ -76,7 +76,7 @@ def test_cluster_launcher_examples_compose(launcher, target, field, value):
     assert (OmegaConf.to_container(got) if not isinstance(got, int) else got) == value
 
 
-def test_optuna_search_under_a_memory_cap_records_every_trial(tmp_path):
+def test_optuna_search_under_a_memory_cap_records_every_trial(tmp_path, xla_test_cache):
     """3 trials of +experiment=optuna_streaming on the tiny model, the search space narrowed on
     the command line: each trial is a recorded point; one over the cap scores the penalty and
     the best is the lowest perplexity among the trials under it."""
@@ -87,7 +87,7 @@ def test_optuna_search_under_a_memory_cap_records_every_trial(tmp_path):
         [sys.executable, str(ROOT / "run.py"), "-m", "+experiment=optuna_streaming", *TINY[:1],
          "task.length=64", *TINY[2:], "hydra.sweeper.n_trials=3", "budget=choice(16,32)",
          "policy.n_sink=choice(0,4)", "kv_dtype=f32", f"objective.max_cache_bytes={cap}",
-         f"results={store}", f"hydra.sweep.dir={tmp_path}/m", f"xla_cache={tmp_path}/xla"],
+         f"results={store}", f"hydra.sweep.dir={tmp_path}/m", f"xla_cache={xla_test_cache}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     recs = ResultsStore(store).records()

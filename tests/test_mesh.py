@@ -72,9 +72,12 @@ def worker() -> dict:
 
 
 @pytest.fixture(scope="module")
-def result(forced_devices):
-    env = dict(os.environ, XLA_FLAGS=forced_devices(DEVICES),
-               JAX_PLATFORMS="cpu")
+def result(forced_devices, xla_test_cache):
+    from kvjax.harness import XLA_CACHE_MIN_COMPILE_S
+
+    env = dict(os.environ, XLA_FLAGS=forced_devices(DEVICES), JAX_PLATFORMS="cpu",
+               JAX_COMPILATION_CACHE_DIR=xla_test_cache,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(XLA_CACHE_MIN_COMPILE_S))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
                        capture_output=True, text=True, timeout=600, check=False)
@@ -182,7 +185,7 @@ def test_too_few_devices_is_one_clear_error():
         MeshSpec(model=0)
 
 
-def test_run_py_sweeps_the_mesh_with_equal_results(tmp_path, forced_devices):
+def test_run_py_sweeps_the_mesh_with_equal_results(tmp_path, forced_devices, xla_test_cache):
     """`run.py -m mesh={data:1,model:1},{data:2,model:2}` on 4 forced devices: two points (the
     mesh is a layout, so it is in each point's key and record), one perplexity; too few
     devices is one line before the model loads."""
@@ -191,7 +194,7 @@ def test_run_py_sweeps_the_mesh_with_equal_results(tmp_path, forced_devices):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = ["model=tiny", "task.length=48",
             "task.chunk=16", "speed.prompt=0", "wandb.mode=disabled", "policy=h2o", "budget=32",
-            "policy.window=8", f"results={tmp_path}/r.jsonl", f"xla_cache={tmp_path}/xla"]
+            "policy.window=8", f"results={tmp_path}/r.jsonl", f"xla_cache={xla_test_cache}"]
     env = dict(os.environ, XLA_FLAGS=forced_devices(4),
                JAX_PLATFORMS="cpu")
     run_py = [sys.executable, os.path.join(root, "run.py")]

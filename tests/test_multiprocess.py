@@ -14,7 +14,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_run_py_point_across_two_processes(tmp_path, forced_devices):
+def test_run_py_point_across_two_processes(tmp_path, forced_devices, xla_test_cache):
     """The same `run.py` command in 2 processes (distributed.*, 2 CPU devices each, a 2 x 2
     mesh, one prompt of the batch on each host): one record (the second process finds the key
     stored), its answers equal to the point run in one process without a mesh."""
@@ -30,8 +30,9 @@ def test_run_py_point_across_two_processes(tmp_path, forced_devices):
     point = ["model=tiny", "task=passkey", "task.length=340", "task.n_samples=2", "task.batch=2",
              "task.chunk=128", "speed.prompt=0",
              "wandb.mode=disabled", "policy=h2o", "budget=32", "policy.window=8"]
-    args = [*point, "mesh.data=2", "mesh.model=2", f"results={tmp_path}/r.jsonl", "xla_cache=null",
-            f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2"]
+    args = [*point, "mesh.data=2", "mesh.model=2", f"results={tmp_path}/r.jsonl",
+            f"xla_cache={xla_test_cache}", f"distributed.coordinator=127.0.0.1:{port}",
+            "distributed.num_processes=2"]
     env = dict(os.environ, XLA_FLAGS=forced_devices(2),
                JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "run.py"), *args,
