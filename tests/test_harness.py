@@ -374,7 +374,7 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run(tmp_path, monkeypat
     assert not store.exists()
 
 
-def test_ctrl_c_during_a_run_py_task(tmp_path, xla_test_cache):
+def test_ctrl_c_during_a_run_py_task(tmp_path):
     """SIGINT while the task streams (its progress bar is on screen): one line, status 130."""
     store = tmp_path / "r.jsonl"
     store.write_text('{"key": "old"}\n')
@@ -386,7 +386,7 @@ def test_ctrl_c_during_a_run_py_task(tmp_path, xla_test_cache):
         proc = subprocess.Popen(
             [sys.executable, str(ROOT / "run.py"), "model=tiny", "task.length=30000",
              "task.chunk=1", "progress=true", "speed.prompt=0", "wandb.mode=disabled",
-             f"results={store}", f"hydra.run.dir={tmp_path}/run", f"xla_cache={xla_test_cache}"],
+             f"results={store}", f"hydra.run.dir={tmp_path}/run", "xla_cache=null"],
             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=f,
             env={**os.environ, "PYTHONFAULTHANDLER": "1"})
         signal.signal(signal.SIGINT, inherited)
@@ -614,8 +614,9 @@ def test_real_model_smoke(tmp_path, ref, xla_test_cache):
     t = time.time()
     out = subprocess.run(
         [sys.executable, str(ROOT / "run.py"), "task.length=64", "task.chunk=32",
-         "speed.prompt=16", "speed.new_tokens=2", "wandb.mode=disabled", f"xla_cache={xla_test_cache}",
-         f"results={tmp_path}/r.jsonl", f"hydra.run.dir={tmp_path}/run"],
+         "speed.prompt=16", "speed.new_tokens=2", "wandb.mode=disabled",
+         f"xla_cache={xla_test_cache}", f"results={tmp_path}/r.jsonl",
+         f"hydra.run.dir={tmp_path}/run"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert time.time() - t < 90
