@@ -7,15 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import RUN_FAST
 
 from kvjax.cache import KVCache
 from kvjax.formats import get_format
 from kvjax.generate import generate
-from kvjax.model import forward_jit
+from kvjax.model import forward
 from kvjax.policies import get_policy
 
 pytestmark = pytest.mark.slow
 F32, FULL = get_format("f32"), get_policy("full")
+# `kvjax.model.forward_jit`, compiled for running rather than the tests' fast compile
+forward_jit = jax.jit(forward, static_argnames=("cfg", "fresh"), compiler_options=RUN_FAST)
 
 
 def _nll(logits, ids):
