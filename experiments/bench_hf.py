@@ -45,6 +45,7 @@ import numpy as np
 
 from kvjax.cache import KVCache
 from kvjax.config import ModelConfig
+from kvjax.experiment import git_info
 from kvjax.formats import get_format
 from kvjax.generate import decode_step, prefill, sample
 from kvjax.loading import load_model
@@ -468,7 +469,8 @@ def main(argv=None):
         with open(a.out, "w") as f:
             f.write(head + table + "\n")
         write_json(json_path(a.out), {
-            "machine": head.split("\n")[0], "agreement": agree, "rounds": len(others),
+            "machine": head.split("\n")[0], "code": git_info(code_only=True),
+            "agreement": agree, "rounds": len(others),
             "discarded": discarded, "other_cores": others, "steps": a.steps,
             "variants": variants, "rows": records(measures, variants, hf_vars, med)})
     return rows
