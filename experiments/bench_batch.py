@@ -1,24 +1,32 @@
 """Throughput of a retrieval task (passkey, needle) at task.batch=1 vs larger batches.
 
     python -m experiments.bench_batch [--task passkey] [--batches 1 8] [--policy full]
-                                      [--kv-dtype f32] [--rounds 2] [opt=value ...]
+                                      [--kv-dtype f32] [--rounds 3] [--wait-idle 30]
+                                      [--out FILE.md] [opt=value ...]
 
 On the real model (`smollm2-135m`): each batch size runs the task once to compile, then
-`--rounds` timed runs (median); the table gives prompts per second and the speed-up over the
-first batch size, and the run stops if any batch size answers differently from the first (rows
-must be identical: batching must not change results). Task options go as `key=value`
-(defaults: passkey length=512 n_samples=8).
+`--rounds` interleaved rounds time every batch size in turn (these machines are noisy, so the
+ratios of one round are side by side). The table gives medians, prompts per second, the
+speed-up over the first batch size and the median of each round's own speed-up. The run stops
+if any batch size answers differently from the first (rows must be identical: batching must
+not change results). Task options go as `key=value` (defaults: passkey length=512
+n_samples=8). `--out FILE.md` also writes FILE.json with the medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import statistics
 import time
 
-from kvjax.experiment import ModelSpec, build_format, load
+import jax
+
+import kvjax.generate
+from experiments.bench_hf import json_path, timed_rounds, write_json
+from kvjax.experiment import ModelSpec, build_format, git_info, load
 from kvjax.policies import get_policy
 from kvjax.tasks import TaskContext, get_task
 from kvjax.tasks.text import default_text
@@ -27,13 +35,34 @@ DEFAULTS = {"passkey": {"length": 512, "n_samples": 8}, "needle": {"lengths": [5
                                                                    "n_samples": 2}}
 
 
+PHASES = {"start": "prefill", "decode": "decode"}
+
+
+def time_phases(spent: dict) -> None:
+    """Wrap `kvjax.generate.start` and `decode` (which `generate` looks up at each call) so
+    that the seconds each takes, up to its results being ready, add up in `spent`."""
+    def timer(f, phase):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(f(*args, **kw))
+            spent[phase] += time.perf_counter() - t0
+            return out
+        return timed
+
+    for name, phase in PHASES.items():
+        setattr(kvjax.generate, name, timer(getattr(kvjax.generate, name), phase))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", default="passkey", choices=sorted(DEFAULTS))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--policy", default="full")
     ap.add_argument("--kv-dtype", default="f32")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--wait-idle", type=float, default=0.0,
+                    help="wait up to this many s for idle cores before each round; redo busy ones")
+    ap.add_argument("--out", default=None, help="also write the Markdown here (and FILE.json)")
     ap.add_argument("options", nargs="*", help="task options key=value (JSON values)")
     a = ap.parse_args(argv)
     if min(a.batches) < 1 or a.rounds < 1:
@@ -46,30 +75,58 @@ def main(argv=None):
     model = load(ModelSpec("smollm2-135m"))
     ctx = TaskContext(model.params, model.cfg, model.tokenizer, get_policy(a.policy),
                       build_format(a.kv_dtype, {}), task.seq_len(), default_text())
-    rows, lines, base = None, [], None
-    for b in a.batches:
-        t = dataclasses.replace(task, batch=b)
-        first = t.run(ctx)  # compiles this batch size's shapes
-        times = []
-        for _ in range(a.rounds):
+    tasks = {b: dataclasses.replace(task, batch=b) for b in a.batches}
+    spent = collections.Counter()
+    time_phases(spent)
+    rows = None
+    for b, t in tasks.items():  # the first run compiles this batch size's shapes
+        got = t.run(ctx).rows
+        rows = got if rows is None else rows
+        if got != rows:
+            raise SystemExit(f"batch={b} answers differ from batch={a.batches[0]}")
+
+    def one_round(_):
+        secs, phases = {}, {}
+        for b, t in tasks.items():
+            spent.clear()
             t0 = time.perf_counter()
             res = t.run(ctx)
-            times.append(time.perf_counter() - t0)
-        if rows is None:
-            rows = first.rows
-        if res.rows != rows or first.rows != rows:
-            raise SystemExit(f"batch={b} answers differ from batch={a.batches[0]}")
-        sec = statistics.median(times)
-        base = base or sec
-        n = len(rows)
-        lines.append(f"| {b} | {sec:.2f} s | {n / sec:.2f} | {base / sec:.2f}x |")
-        print(lines[-1], flush=True)
-    head = (f"{a.task} {json.dumps(opts)} ({len(rows)} prompts), policy {a.policy}, "
-            f"kv {a.kv_dtype}; medians of {a.rounds} timed runs after a compiling one; answers "
-            f"identical at every batch size\n\n| task.batch | time | prompts/s | speed-up |\n"
-            "|---:|---:|---:|---:|\n")
-    print(head + "\n".join(lines))
-    return lines
+            secs[b] = time.perf_counter() - t0
+            phases[b] = dict(spent)
+            if res.rows != rows:
+                raise SystemExit(f"batch={b} answers differ from batch={a.batches[0]}")
+        return (secs, phases), "  ".join(f"batch {b}: {s:.2f} s" for b, s in secs.items())
+
+    kept, others, discarded = timed_rounds(a.rounds, a.wait_idle, one_round)
+    phases = [p for _, p in kept]
+    kept = [s for s, _ in kept]
+    first, n = a.batches[0], len(rows)
+    base = statistics.median(r[first] for r in kept)
+    summary, lines = {}, []
+    for b in a.batches:
+        sec = statistics.median(r[b] for r in kept)
+        speed = statistics.median(r[first] / r[b] for r in kept)
+        split = {ph: statistics.median(p[b][ph] for p in phases) for ph in PHASES.values()}
+        summary[b] = {"seconds": sec, "prompts_per_s": n / sec, "speedup": base / sec,
+                      "speedup_per_round": speed, **{f"{k}_s": v for k, v in split.items()}}
+        lines.append(f"| {b} | {sec:.2f} s | {split['prefill']:.2f} s | {split['decode']:.2f} s "
+                     f"| {n / sec:.2f} | {summary[b]['speedup']:.2f}x | {speed:.2f}x |")
+    busy = [o for o in others if o is not None]
+    load_note = (f"; other processes {min(busy):.2f}-{max(busy):.2f} cores" if busy else "")
+    text = (f"{a.task} {json.dumps(opts)} ({n} prompts), policy {a.policy}, kv {a.kv_dtype}; "
+            f"medians of {len(kept)} interleaved rounds after a compiling run ({discarded} "
+            f"discarded as busy{load_note}); answers identical at every batch size\n\n"
+            "| task.batch | time | prefill | decode | prompts/s | speed-up | "
+            "per-round speed-up, median |\n|---:|---:|---:|---:|---:|---:|---:|\n"
+            + "\n".join(lines) + "\n")
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+        write_json(json_path(a.out), {"code": git_info(code_only=True), "task": a.task, "options": opts, "policy": a.policy,
+                                      "kv_dtype": a.kv_dtype, "rounds": len(kept),
+                                      "batches": {str(b): v for b, v in summary.items()}})
+    return summary
 
 
 if __name__ == "__main__":
