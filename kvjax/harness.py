@@ -28,7 +28,7 @@ from kvjax.mesh import MeshSpec
 from kvjax.programs import set_program_store
 from kvjax.results import ResultsStore, prepare_wandb, record_failure
 from kvjax.tasks import TASKS, get_task
-from kvjax.tasks.base import INTERRUPTED, on_sigint
+from kvjax.tasks.base import INTERRUPTED, on_sigint, quiet_unraisable
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -285,6 +285,7 @@ def main(cfg: DictConfig):
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
         INTERRUPTED.clear()
         handler = signal.signal(signal.SIGINT, on_sigint)
+        unraisable, sys.unraisablehook = sys.unraisablehook, quiet_unraisable(sys.unraisablehook)
     try:
         set_xla_cache(cfg.xla_cache)
         set_program_store(cfg.program_store)
@@ -306,4 +307,5 @@ def main(cfg: DictConfig):
     finally:
         if handler is not None:  # as it was: in-process callers (tests, sweeps) go on
             signal.signal(signal.SIGINT, handler)
+            sys.unraisablehook = unraisable
             INTERRUPTED.clear()

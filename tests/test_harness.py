@@ -340,12 +340,16 @@ def test_ctrl_c_is_one_line_records_nothing_and_keeps_the_store(tmp_path, monkey
     assert store.read_bytes() == before
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run(tmp_path, monkeypatch, capsys):
     """Python raises a SIGINT's KeyboardInterrupt at whatever bytecode runs next; inside a
-    finalizer it is only printed and the run went on to the end. The run now stops at the
-    task's next step, status 130, nothing recorded, and its SIGINT handler is undone."""
+    finalizer (or a gc callback: JAX has one) it is only printed, as an "Exception ignored"
+    traceback, and the run went on to the end. The run now stops at the task's next step,
+    status 130, nothing recorded, no traceback, and its SIGINT and unraisable hooks are undone."""
     from kvjax.tasks import base
+
+    unraisable = []
+    record = unraisable.append
+    monkeypatch.setattr(sys, "unraisablehook", record)
 
     class Finalized:
         def __del__(self):
@@ -365,6 +369,7 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run(tmp_path, monkeypat
         with pytest.raises(SystemExit) as e:
             harness.main(cfg_of(*TINY, f"results={store}"))
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert sys.unraisablehook is record
         assert not base.INTERRUPTED.is_set()  # or the worker's next task would stop at once
     finally:
         signal.signal(signal.SIGINT, inherited)
@@ -372,6 +377,7 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run(tmp_path, monkeypat
     assert capsys.readouterr().err.splitlines()[-1] == (
         "interrupted: this point was not recorded; the results store is intact")
     assert not store.exists()
+    assert unraisable == []
 
 
 def test_ctrl_c_during_a_run_py_task(tmp_path):

@@ -149,6 +149,18 @@ def on_sigint(signum, frame):
     raise KeyboardInterrupt
 
 
+def quiet_unraisable(hook):
+    """An unraisable hook that drops a KeyboardInterrupt `on_sigint` raised inside a finalizer
+    or gc callback (already remembered, so `bar` raises it again) and passes the rest to hook:
+    a Ctrl-C then prints its one line, not an "Exception ignored" traceback."""
+
+    def quiet(unraisable):
+        if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and INTERRUPTED.is_set()):
+            hook(unraisable)
+
+    return quiet
+
+
 class Progress(tqdm):
     """tqdm that stops with KeyboardInterrupt at the next item once a SIGINT came (`on_sigint`)."""
 
