@@ -37,7 +37,9 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -65,12 +67,24 @@ INSTALL_HINT = (
 
 
 def _import_hf():
-    """(torch, transformers) or an ImportError that gives the exact install commands."""
+    """(torch, transformers) or an ImportError that gives the exact install commands.
+
+    The repo's top-level `kernels/` (installed as kvjax.kernels) would shadow HF's hub package
+    `kernels` while the repo root is on sys.path (`python -m` from it): transformers 5.25 finds
+    it and fails importing names from it. The root is off sys.path while transformers loads
+    Llama (its answer, "no hub kernels", is cached)."""
+    root = Path(__file__).resolve().parents[1]
+    path = list(sys.path)
+    sys.path[:] = [p for p in path if Path(p or ".").resolve() != root]
     try:
         import torch
         import transformers
+
+        transformers.LlamaForCausalLM  # noqa: B018 -- a lazy import: load it here
     except ImportError as e:
         raise ImportError(f"{INSTALL_HINT}\n(import failed: {e})") from e
+    finally:
+        sys.path[:] = path
     return torch, transformers
 
 

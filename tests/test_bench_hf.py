@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -57,6 +58,33 @@ def test_missing_torch_names_the_install_commands(monkeypatch):
     assert "pip install transformers" in msg
     with pytest.raises(ImportError):  # main fails before loading any model
         bench_hf.main(["--rounds", "1"])
+
+
+def test_transformers_loads_with_the_repo_kernels_folder_off_the_path(monkeypatch):
+    """transformers 5.25 imports HF's hub package `kernels` if `find_spec("kernels")` finds one;
+    from the repo root it found kvjax's top-level `kernels/` and bench_hf died importing."""
+    import importlib.util
+    import types
+
+    root = str(Path(bench_hf.__file__).resolve().parents[1])
+    monkeypatch.syspath_prepend(root)
+    ours = str(Path(root, "kernels", "__init__.py"))
+    assert importlib.util.find_spec("kernels").origin == ours  # the shadowing guarded against
+    seen = []
+
+    class Transformers(types.ModuleType):
+        @property
+        def LlamaForCausalLM(self):  # loads modeling_llama, and hub_kernels with it
+            spec = importlib.util.find_spec("kernels")  # None, or HF's where it is installed
+            seen.append(spec and spec.origin)
+            return object
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    monkeypatch.setitem(sys.modules, "transformers", Transformers("transformers"))
+    before = list(sys.path)
+    bench_hf._import_hf()
+    assert len(seen) == 1 and seen[0] != ours
+    assert sys.path == before
 
 
 def test_flags():
