@@ -1,6 +1,6 @@
 """Paged decode-attention kernel benchmark for an H200 (and a CPU smoke run).
 
-    python experiments/bench_kernels.py --out docs/bench_kernels_h200.md          # on the GPU
+    python experiments/bench_kernels.py --out docs/data/bench_kernels_h200.md     # on the GPU
     python experiments/bench_kernels.py --interpret --tiny --out /tmp/bench.md    # CPU smoke
 
 1. Compile check: every variant (storage f32/bf16/int8/int4 x page sizes 8..256, plus GQA

@@ -37,8 +37,9 @@ PAGE = 8
 
 
 def _model(kind="gqa", **kw):
+    """A tiny model whose head dim (16) the compiled kernel takes: on a GPU these tests run it."""
     H, K = HEADS[kind]
-    cfg = tiny_config(n_heads=H, n_kv_heads=K, **kw)
+    cfg = tiny_config(n_heads=H, n_kv_heads=K, **{"head_dim": 16, **kw})
     return cfg, init_params(cfg, jax.random.PRNGKey(0))
 
 
@@ -228,7 +229,7 @@ def test_shared_prompt_pages_copy_on_write_in_the_model(policy):
 def test_quantized_pages_match_the_dense_format(fmt):
     """Pages store kvjax.formats' per-token layouts: paged (kernel) == dense of the same format
     to 1e-4; int8 stays within 0.05 of the f32 logits (random tiny model, logits of O(1))."""
-    cfg, p = _model("gqa", head_dim=16)
+    cfg, p = _model("gqa")
     ids = _ids(cfg, 2, 20, seed=5)
     prompts = [ids[0, :11].tolist(), ids[1, :7].tolist()]
     cont = ids[:, 11:14]
@@ -338,7 +339,7 @@ def test_paged_support_is_asked_of_the_registered_classes(monkeypatch):
 def test_a_new_format_runs_on_pages_through_its_codec():
     """ToyInt8Keys (int8 key pages, f32 value pages): the kernel path equals the gathered
     reference on the same pages, and the logits stay within 0.05 of f32 pages."""
-    cfg, p = _model("gqa", head_dim=16)
+    cfg, p = _model("gqa")
     ids = _ids(cfg, 2, 20, seed=5)
     prompts = [ids[0, :11].tolist(), ids[1, :7].tolist()]
     cont = ids[:, 11:14]
