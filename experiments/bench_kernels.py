@@ -298,34 +298,25 @@ def benchmark(rep, args, t_start):
 
 
 def tuning(rep, args, t_start):
-    rep.add("\n## Tuning sweep (bf16)\n")
+    rep.add(f"\n## Tuning sweep ({', '.join(args.tune_kinds)})\n")
     rep.add(
         "| impl | kv | page | B | ctx | KxG | E | KV MiB | us/call | GB/s | % peak | "
         "vs xla | note |"
     )
     rep.add("|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
-    B, ctx, page, K, G, E = (2, 64, 16, 2, 3, 16) if args.tiny else (32, 4096, 16, 8, 4, 128)
-    grid = [(ppb, s, w) for ppb in (1, 2, 4, 8) for s in (None, 4, 16) for w in (4, 8)]
+    # int4 pages of 64 x 4k tokens: 320 MiB, >= 5x the L2 (bf16: 1 GiB)
+    B, ctx, page, K, G, E = (2, 64, 16, 2, 3, 16) if args.tiny else (64, 4096, 16, 8, 4, 128)
+    grid = [(ppb, s, w) for ppb in args.tune_ppb for s in (None, 4, 16) for w in args.tune_warps]
     if args.tiny:
         grid = [(1, None, 4), (2, 2, 4)]
-    for ppb, splits, warps in grid:
-        if time.perf_counter() - t_start > args.budget_s:
-            rep.add(f"\n(stopped: time budget {args.budget_s:.0f}s reached)")
-            return
-        fn = _ours(args.interpret, pages_per_block=ppb, num_splits=splits, num_warps=warps)
-        bench_row(
-            rep,
-            args,
-            "bf16",
-            B,
-            ctx,
-            page,
-            K,
-            G,
-            E,
-            [("kvjax", fn)],
-            f"ppb={ppb} splits={splits or 'auto'} warps={warps}",
-        )
+    for kind in args.tune_kinds:
+        for ppb, splits, warps in grid:
+            if time.perf_counter() - t_start > args.budget_s:
+                rep.add(f"\n(stopped: time budget {args.budget_s:.0f}s reached)")
+                return
+            fn = _ours(args.interpret, pages_per_block=ppb, num_splits=splits, num_warps=warps)
+            bench_row(rep, args, kind, B, ctx, page, K, G, E, [("kvjax", fn)],
+                      f"ppb={ppb} splits={splits or 'auto'} warps={warps}")
 
 
 def main(argv=None):
@@ -341,6 +332,10 @@ def main(argv=None):
         help="stop starting new rows after this many seconds",
     )
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--skip-bench", action="store_true", help="only the check and the tuning")
+    ap.add_argument("--tune-kinds", nargs="+", default=["bf16"], choices=["bf16", "int8", "int4"])
+    ap.add_argument("--tune-ppb", nargs="+", type=int, default=[1, 2, 4, 8], help="pages/block")
+    ap.add_argument("--tune-warps", nargs="+", type=int, default=[4, 8])
     args = ap.parse_args(argv)
     args.iters = args.iters or (2 if args.tiny else 50)
     t_start = time.perf_counter()
@@ -354,7 +349,8 @@ def main(argv=None):
     )
     rep = Report(args.out, header)
     all_ok = True if args.skip_check else compile_check(rep, args)
-    benchmark(rep, args, t_start)
+    if not args.skip_bench:
+        benchmark(rep, args, t_start)
     tuning(rep, args, t_start)
     rep.add(f"\ntotal {time.perf_counter() - t_start:.0f}s")
     return 0 if all_ok else 1
