@@ -185,7 +185,9 @@ def test_kept_units_cost_their_full_precision_bytes_only(units):
 
 def test_all_units_kept_in_f32_give_the_f32_cache_logits():
     """On the tiny model, every unit kept in f32 is the f32 cache (same logits over a prompt
-    and decode steps); one quantized unit changes them."""
+    and decode steps, up to f32 rounding: the cache holds the same values, but the programs
+    differ, and XLA may order a product's sums differently; 7e-9 apart on an AVX-512 box);
+    one quantized unit changes them by far more."""
     from kvjax.cache import init_cache
     from kvjax.config import tiny_config
     from kvjax.model import forward_jit
@@ -205,8 +207,9 @@ def test_all_units_kept_in_f32_give_the_f32_cache_logits():
 
     want = logits(get_format("f32"))
     int2 = {"group": 8, "residual": 8}
-    np.testing.assert_array_equal(
-        logits(get_format("int2", **int2, keep_units=units, keep_dtype="f32")), want)
+    np.testing.assert_allclose(
+        logits(get_format("int2", **int2, keep_units=units, keep_dtype="f32")), want,
+        rtol=1e-6, atol=1e-7)
     one_left = get_format("int2", **int2, keep_units=units[1:], keep_dtype="f32")
     assert np.abs(logits(one_left) - want).max() > 1e-4
 

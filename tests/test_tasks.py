@@ -62,9 +62,11 @@ def test_default_text_is_the_shipped_file_not_the_running_python(monkeypatch):
 
 
 def test_default_text_is_package_data_of_a_regular_install(tmp_path):
-    """setuptools' build_py (what a wheel holds) copies the text and its note."""
+    """setuptools' build_py (what a wheel holds) copies the text and its note. `-P`: the repo
+    root stays off sys.path, or its top-level kernels/ shadows an installed HF `kernels`, whose
+    setuptools entry point then fails to import."""
     out = subprocess.run(
-        [sys.executable, "-c", "from setuptools import setup; setup()", "-q", "build_py",
+        [sys.executable, "-P", "-c", "from setuptools import setup; setup()", "-q", "build_py",
          "--build-lib", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     built = tmp_path / "kvjax" / "data"
