@@ -36,6 +36,9 @@ from kvjax.kernels import paged_attention as pa
 
 H200_TBPS = 4.8
 L2_BYTES = 50 * 2**20
+# (B, ctx, page, K, G, E) of the tuning sweep (and experiments.profile_kernel): int4 pages of
+# 64 x 4k tokens are 320 MiB, >= 5x the L2 (bf16: 1 GiB)
+TUNE_SHAPE = (64, 4096, 16, 8, 4, 128)
 
 try:
     from jax.experimental.pallas.ops.gpu import paged_attention as upstream
@@ -304,8 +307,7 @@ def tuning(rep, args, t_start):
         "vs xla | note |"
     )
     rep.add("|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
-    # int4 pages of 64 x 4k tokens: 320 MiB, >= 5x the L2 (bf16: 1 GiB)
-    B, ctx, page, K, G, E = (2, 64, 16, 2, 3, 16) if args.tiny else (64, 4096, 16, 8, 4, 128)
+    B, ctx, page, K, G, E = (2, 64, 16, 2, 3, 16) if args.tiny else TUNE_SHAPE
     grid = [(ppb, s, w) for ppb in args.tune_ppb for s in (None, 4, 16) for w in args.tune_warps]
     if args.tiny:
         grid = [(1, None, 4), (2, 2, 4)]

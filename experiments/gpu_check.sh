@@ -7,7 +7,8 @@
 # The tests run without conftest.py (it sets CPU-only XLA flags and loads the real model, which
 # these files do not use) and with f32 matmuls at full precision, so the dense XLA path they
 # compare against is not TF32. test_serve.py's host offload moves pages to `pinned_host` there;
-# its plan test is left out (it needs the gguf package, not on the device image). Needs jax with CUDA, flax and hypothesis (the device image's own).
+# its plan test is left out (it needs the gguf package, not on the device image). Needs jax
+# with CUDA, flax and hypothesis (the device image's own).
 set -uo pipefail
 out=${1:?usage: bash experiments/gpu_check.sh OUTDIR [BENCH_BUDGET_S]}
 budget=${2:-220}
