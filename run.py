@@ -27,6 +27,10 @@ def _skip_teardown() -> None:
 
 atexit.register(_skip_teardown)
 
+from kvjax import wandb_worker  # the standard library only
+
+wandb_worker.prestart(sys.argv[1:])  # W&B's imports run beside this process's own (below)
+
 import hydra  # after the exit handler above, so that it runs last
 
 from kvjax import harness

@@ -17,7 +17,8 @@ same `policies/` and `kernels/` (an editable install imports those from this che
 
 Inside each process a small wrapper (`--child`) counts JAX's compilation-cache events (hits,
 misses: programs compiled) and times the phases: imports, planning (model header, tokenizer,
-checks), loading the weights, the task, the full-cache baseline, the speed probe, W&B logging,
+checks), loading the weights, the task, the full-cache baseline, the speed probe, W&B logging
+(handing the record to W&B's worker process, and waiting for that worker at exit),
 and (overlapping those) JAX's tracing + lowering, which JAX's persistent cache does not skip
 (`kvjax.programs` does, for the programs it stores), and backend compiles.
 """
@@ -47,6 +48,9 @@ PHASES = ["imports", "plan", "load", "task", "baseline", "speed_probe", "wandb",
 def child(overrides: list[str]) -> None:
     """Run run.py in this process with phase timers and JAX monitoring; print one JSON line."""
     t0 = time.perf_counter()
+    from kvjax import wandb_worker
+
+    wandb_worker.prestart(overrides)  # as run.py does, before the imports it overlaps
     from jax import monitoring
 
     events, durations = collections.Counter(), collections.Counter()
@@ -76,8 +80,9 @@ def child(overrides: list[str]) -> None:
 
     timed(harness, "plan", "plan")
     for name, phase in [("load", "load"), ("get_baseline", "baseline"),
-                        ("measure_speed", "speed_probe"), ("log_wandb", "wandb")]:
+                        ("measure_speed", "speed_probe")]:
         timed(experiment, name, phase)
+    timed(wandb_worker, "submit", "wandb")
     for cls in TASKS.values():
         timed(cls, "run", "task")
     sys.argv = ["run.py", *overrides]
@@ -86,6 +91,9 @@ def child(overrides: list[str]) -> None:
     except SystemExit as e:
         if e.code not in (0, None):
             raise
+    t = time.perf_counter()
+    wandb_worker.drain()  # what the exit handler would wait for
+    phases["wandb"] += time.perf_counter() - t
     phases["trace_lower"] = durations["jaxpr_trace_duration"] + durations[
         "jaxpr_to_mlir_module_duration"]
     phases["backend_compile"] = durations["backend_compile_duration"]

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import wandb_worker
 from kvjax.cache import closed_form_bytes, get_layout
 from kvjax.generate import compile_start, decode, start
 from kvjax.mesh import MeshSpec, cache_specs, shard_params
@@ -45,7 +46,6 @@ from kvjax.results import (
     atomic_write_text,
     canonical_json,
     config_hash,
-    log_wandb,
     to_jsonable,
 )
 from kvjax.tasks import Task, TaskContext, TaskResult
@@ -753,6 +753,23 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
             echo(f"skip: point {plan_.key} is already in {store.path} "
                  f"(line {existing['_line']}; force=true reruns it)")
             return Outcome(None, False, skipped=True, existing=existing)
+    git = git_info()
+    w = spec.wandb
+    sink = {"mode": w.mode, "project": w.project, "entity": w.entity, "run_dir": run_dir}
+    wandb_worker.begin({"key": plan_.key, "sweep": spec.sweep, "point": plan_.point, "git": git},
+                       **sink)
+    try:
+        record, stored, result = _execute(plan_, store, run_dir, echo, precomputed, git)
+    except BaseException:
+        wandb_worker.abort(plan_.key, w.mode)
+        raise
+    wandb_worker.submit(record, result, **sink)
+    return Outcome(record, stored, result=result)
+
+
+def _execute(plan_: Plan, store: ResultsStore, run_dir, echo, precomputed, git: dict):
+    """`execute`'s work: run the point, write its record and files; (record, stored, result)."""
+    spec = plan_.spec
     for note in plan_.notes:
         echo(f"note: {note}")
     release_compiled_near_map_limit()
@@ -818,7 +835,7 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
                  "n_tokens": plan_.point["text"]["n_tokens"]},
         "metrics": metrics, "baseline_metrics": base,
         "cache": cache_info,
-        "timings": timings, "env": environment(), "git": git_info(),
+        "timings": timings, "env": environment(), "git": git,
     })
     run_dir.mkdir(parents=True, exist_ok=True)
     for name, arr in result.arrays.items():
@@ -827,9 +844,7 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
         atomic_write_text(run_dir / "samples.json", json.dumps(to_jsonable(result.rows), indent=1))
     atomic_write_text(run_dir / "metrics.json", json.dumps(record, indent=1, sort_keys=True))
     stored = store.append(record, replace=spec.force)
-    log_wandb(record, result, mode=spec.wandb.mode, project=spec.wandb.project,
-              entity=spec.wandb.entity, run_dir=run_dir)
-    return Outcome(record, stored, result=result)
+    return record, stored, result
 
 
 def shared_prefill_key(plan_: Plan) -> str | None:

@@ -22,11 +22,12 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from kvjax import wandb_worker
 from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, plan, run
 from kvjax.loading.hub import cache_root
 from kvjax.mesh import MeshSpec
 from kvjax.programs import set_program_store
-from kvjax.results import ResultsStore, prepare_wandb, record_failure
+from kvjax.results import ResultsStore, record_failure
 from kvjax.tasks import TASKS, get_task
 from kvjax.tasks.base import INTERRUPTED, on_sigint, quiet_unraisable
 
@@ -289,7 +290,8 @@ def main(cfg: DictConfig):
     try:
         set_xla_cache(cfg.xla_cache)
         set_program_store(cfg.program_store)
-        prepare_wandb(spec.wandb.mode)
+        if spec.wandb.mode != "disabled":
+            wandb_worker.start()  # if run.py has not (W&B's imports overlap the run's)
         out = run(planned, run_dir(), echo)
         return objective(out.record or out.existing, cfg.objective.max_cache_bytes,
                          cfg.objective.penalty, echo)

@@ -23,12 +23,10 @@ import dataclasses
 import datetime
 import fcntl
 import hashlib
-import importlib
 import json
 import math
 import os
 import tempfile
-import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,47 +212,55 @@ def record_failure(store: ResultsStore, *, key: str, point: dict, sweep: str | N
     return store.append(record)
 
 
-def prepare_wandb(mode: str) -> None:
-    """Import W&B and start its service in a background thread, so the 1-3 s they take overlap
-    the run's model work instead of following it (`log_wandb` then finds them ready). Quiet:
-    any failure shows up, as a warning, when `log_wandb` runs."""
+def _wandb_failed(e: Exception) -> None:
+    warnings.warn(f"W&B logging failed ({type(e).__name__}: {e}); the local record is safe",
+                  stacklevel=3)
+
+
+def begin_wandb(head: dict, *, mode: str, project: str, entity: str | None,
+                run_dir: str | os.PathLike):
+    """Start the W&B run of a point before its work: `head` holds the record's "key", "sweep",
+    "point" and "git" (its config). Returns the run, or None (disabled; on failure, warned)."""
     if mode == "disabled":
-        return
+        return None
+    try:
+        import wandb
 
-    def warm():
-        with contextlib.suppress(Exception):
-            import wandb
+        pt = head["point"]
+        name = f"{pt['policy']['name']}-{pt['kv_dtype']}-b{pt['policy'].get('budget')}-{pt['task']['name']}"
+        return wandb.init(
+            mode=mode, project=project, entity=entity, dir=str(run_dir), name=name,
+            group=head.get("sweep") or None, job_type=pt["task"]["name"],
+            config={"point": pt, "key": head["key"], "git": head.get("git")},
+            tags=[pt["policy"]["name"], pt["kv_dtype"], pt["task"]["name"]],
+            reinit="finish_previous", settings=wandb.Settings(silent=True),
+        )
+    except Exception as e:  # noqa: BLE001  (W&B must never lose the local record)
+        _wandb_failed(e)
+        return None
 
-            wandb.setup()
-            # what every wandb.init imports as its run starts (launch inputs: most of its time)
-            importlib.import_module("wandb.sdk.launch.inputs.internal")
 
-    threading.Thread(target=warm, name="kvjax-wandb-warmup", daemon=True).start()
-
-
-def log_wandb(record: dict, result, *, mode: str, project: str, entity: str | None,
-              run_dir: str | os.PathLike) -> str | None:
-    """Log one run to W&B (config, summary metrics, per-step curves, tables).
+def log_wandb(record: dict, curves: dict, rows: list, *, mode: str, project: str,
+              entity: str | None, run_dir: str | os.PathLike, run=None) -> str | None:
+    """Log one run to W&B (config, summary metrics, per-step curves `{"step": [...], name:
+    [...]}`, the summary table and the per-sample `rows`) and finish it. `run`: the point's run
+    from `begin_wandb`, else one starts here. Runs call this through `kvjax.wandb_worker`, in a
+    worker process.
 
     Returns the W&B run path, or None when disabled or on failure. Never raises: the local
     record is already written, so any W&B error is a warning.
     """
     if mode == "disabled":
         return None
+    if run is None:
+        run = begin_wandb(record, mode=mode, project=project, entity=entity, run_dir=run_dir)
+        if run is None:
+            return None
     try:
         import wandb
 
-        pt = record["point"]
-        name = f"{pt['policy']['name']}-{pt['kv_dtype']}-b{pt['policy'].get('budget')}-{pt['task']['name']}"
-        run = wandb.init(
-            mode=mode, project=project, entity=entity, dir=str(run_dir), name=name,
-            group=record.get("sweep") or None, job_type=pt["task"]["name"],
-            config={"point": pt, "key": record["key"], "git": record.get("git")},
-            tags=[pt["policy"]["name"], pt["kv_dtype"], pt["task"]["name"]],
-            reinit="finish_previous", settings=wandb.Settings(silent=True),
-        )
         try:
-            curves = dict(result.curves) if result is not None else {}
+            curves = dict(curves)
             steps = curves.pop("step", None)
             if steps is not None:
                 for i, step in enumerate(steps):
@@ -267,17 +273,16 @@ def log_wandb(record: dict, result, *, mode: str, project: str, entity: str | No
             run.summary.update(summary)
             row = summary_row(record)
             run.log({"summary_table": wandb.Table(columns=list(row), data=[list(row.values())])})
-            if result is not None and result.rows:
-                cols = list(result.rows[0])
+            if rows:
+                cols = list(rows[0])
                 run.log({"samples": wandb.Table(
-                    columns=cols, data=[[str(r[c]) for c in cols] for r in result.rows])})
+                    columns=cols, data=[[str(r[c]) for c in cols] for r in rows])})
             path = run.path if mode == "online" else run.dir
         finally:
             run.finish()
         return path
     except Exception as e:  # noqa: BLE001  (W&B must never lose the local record)
-        warnings.warn(f"W&B logging failed ({type(e).__name__}: {e}); the local record is safe",
-                      stacklevel=2)
+        _wandb_failed(e)
         return None
 
 

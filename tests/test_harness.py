@@ -20,7 +20,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from kvjax import experiment, harness
+from kvjax import experiment, harness, wandb_worker
 from kvjax.experiment import ConfigError, plan
 from kvjax.results import ResultsStore
 from kvjax.tasks.text import DEFAULT_SOURCE, default_text, sha256_text
@@ -541,6 +541,7 @@ def test_text_file_speed_probe_and_wandb_offline(tmp_path):
     assert rec["metrics"]["baseline_source"] == "computed"
     t = rec["timings"]
     assert t["prefill_s"] > 0 and t["decode_tok_s"] > 0 and t["prefill_tokens"] == 16
+    wandb_worker.drain()  # W&B logs in its worker process; this waits for it
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
 
 

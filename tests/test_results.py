@@ -167,12 +167,10 @@ def fake_wandb(monkeypatch):
 
 
 def test_wandb_sink_logs_config_summary_curves_and_tables(fake_wandb, tmp_path):
-    from kvjax.tasks import TaskResult
-
-    res = TaskResult(metrics={}, curves={"step": [16, 32], "running_nll": [4.0, 3.5]},
-                     rows=[{"sample": 0, "correct": True}])
+    curves = {"step": [16, 32], "running_nll": [4.0, 3.5]}
     rec = record("k1", sweep="s")
-    assert log_wandb(rec, res, mode="offline", project="p", entity=None, run_dir=tmp_path) == "/tmp/x"
+    assert log_wandb(rec, curves, [{"sample": 0, "correct": True}], mode="offline", project="p",
+                     entity=None, run_dir=tmp_path) == "/tmp/x"
     run = fake_wandb.runs[0]
     assert run.kw["mode"] == "offline" and run.kw["project"] == "p" and run.kw["group"] == "s"
     assert run.kw["config"]["point"] == rec["point"] and run.kw["config"]["key"] == "k1"
@@ -191,11 +189,11 @@ def test_wandb_failure_warns_and_never_raises(fake_wandb, tmp_path):
 
     fake_wandb.init = broken
     with pytest.warns(UserWarning, match="W&B logging failed.*no network"):
-        assert log_wandb(record("k"), None, mode="online", project="p", entity=None,
+        assert log_wandb(record("k"), {}, [], mode="online", project="p", entity=None,
                          run_dir=tmp_path) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert log_wandb(record("k"), None, mode="disabled", project="p", entity=None,
+        assert log_wandb(record("k"), {}, [], mode="disabled", project="p", entity=None,
                          run_dir=tmp_path) is None
 
 
