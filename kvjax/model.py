@@ -169,3 +169,40 @@ def forward(params, tokens, cache: KVCache, cfg: ModelConfig, n_valid=None, logi
 
 forward_jit = jax.jit(forward, static_argnames=("cfg", "fresh"))
 forward_jit.__doc__ = "`forward` compiled once per (cfg, shapes); the cache is not donated."
+
+
+# Scores of next-token distributions over the vocabulary V. XLA:CPU (jax 0.10) sends a
+# reduction over V, with the elementwise work around it, to a YNNPACK fusion that runs it
+# several times slower than the matmul that makes the logits: a 128-token chunk's head matmul
+# took 42 ms, the same with `log_softmax` + the target's entry 110 ms, and a KL as a sum over V
+# 127 ms against 33 ms as a dot product over V (docs/benchmarks.md, "Scores over the
+# vocabulary"). So: no [.., V] log-probabilities where one entry is needed, and the KL's sum is
+# a dot product. Values as `jax.nn.log_softmax` computes them: the same two steps.
+
+
+def log_normalizer(logits):
+    """(max, log sum exp(logits - max)) over the last axis, each [..., 1]:
+    log p = (logits - max) - log_sum, as `jax.nn.log_softmax` computes it."""
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    return m, jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1, keepdims=True))
+
+
+def log_probs(logits):
+    """log-probabilities over the last axis (bit-equal to `jax.nn.log_softmax`)."""
+    m, c = log_normalizer(logits)
+    return (logits - m) - c
+
+
+def token_nll(logits, targets):
+    """-log p(target): logits [..., V], targets [...] int -> [...], without building the
+    [..., V] log-probabilities (bit-equal to `log_softmax` then taking the target's entry)."""
+    m, c = log_normalizer(logits)
+    t = jnp.take_along_axis(logits, targets[..., None], axis=-1) - m
+    return -(t - c)[..., 0]
+
+
+def kl_divergence(ref_lp, lp):
+    """KL(p_ref || p) over the last axis from log-probabilities [..., V] (broadcast against
+    each other): sum p_ref (log p_ref - log p), summed as a dot product over V."""
+    ref_lp, lp = jnp.broadcast_arrays(ref_lp, lp)
+    return jnp.einsum("...V,...V->...", jnp.exp(ref_lp), ref_lp - lp)

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvjax.cache import init_cache
 from kvjax.formats import Mixed, MixedUnits, get_format
-from kvjax.model import forward
+from kvjax.model import forward, kl_divergence, log_probs
 from kvjax.policies import get_policy
 
 CRITERIA = ("kl", "kv_error", "random")
@@ -57,7 +57,7 @@ def _continuation_logp(params, cache, cont, cfg):
     """log p of each continuation position [B, S, V] after the cache."""
     tokens = jnp.broadcast_to(cont, (cache.length.shape[0], cont.shape[0]))  # [B, S]
     logits, _ = forward(params, tokens, cache, cfg)
-    return jax.nn.log_softmax(logits, axis=-1)
+    return log_probs(logits)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -70,8 +70,7 @@ def _kl_of_units(params, cache, cont, ref_logp, kq, vq, onehot, cfg):
     v = jnp.where(sel, vq[:, None], f.values(cache.v, "v"))
     logp = _continuation_logp(
         params, cache.replace(k=f.holding(k, "k"), v=f.holding(v, "v")), cont, cfg)
-    p = jnp.exp(ref_logp)  # [1, S, V]
-    return jnp.mean(jnp.sum(p * (ref_logp - logp), axis=-1), axis=-1)  # [B]
+    return jnp.mean(kl_divergence(ref_logp, logp), axis=-1)  # [1, S, V] vs [B, S, V] -> [B]
 
 
 def unit_scores(params, cfg, ids, fmt, criterion: str, *, prefix: int, seed: int = 0,

@@ -348,3 +348,41 @@ def test_compiled_programs_are_dropped_near_the_map_limit():
     f(jnp.ones(5))
     assert not release_compiled_near_map_limit(1.0) and f._cache_size() == 1
     assert release_compiled_near_map_limit(0.0) and f._cache_size() == 0
+
+
+@pytest.mark.parametrize("V", [7, 4096])
+def test_scores_over_the_vocabulary_equal_log_softmax_and_a_float64_kl(V):
+    """token_nll / log_probs are log_softmax's own steps (bit-equal, also jitted with the head
+    matmul that made XLA:CPU slow); kl_divergence agrees with a float64 KL and is 0 for equal
+    distributions."""
+    from kvjax.model import kl_divergence, log_probs, token_nll
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(3), 4)
+    x = jax.random.normal(k1, (2, 5, 16))
+    w = jax.random.normal(k2, (V, 16)) * 2
+    lg = jnp.einsum("BTD,VD->BTV", x, w)
+    ref = lg + 0.3 * jax.random.normal(k3, lg.shape)
+    tg = jax.random.randint(k4, (2, 5), 0, V)
+
+    def old_nll(x, w, tg):
+        lp = jax.nn.log_softmax(jnp.einsum("BTD,VD->BTV", x, w), axis=-1)
+        return -jnp.take_along_axis(lp, tg[..., None], axis=-1)[..., 0]
+
+    new_nll = jax.jit(lambda x, w, tg: token_nll(jnp.einsum("BTD,VD->BTV", x, w), tg))
+    np.testing.assert_array_equal(new_nll(x, w, tg), jax.jit(old_nll)(x, w, tg))
+    np.testing.assert_array_equal(jax.jit(log_probs)(lg), jax.jit(jax.nn.log_softmax)(lg))
+
+    def f64_kl(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        la = a - a.max(-1, keepdims=True)
+        la -= np.log(np.exp(la).sum(-1, keepdims=True))
+        lb = b - b.max(-1, keepdims=True)
+        lb -= np.log(np.exp(lb).sum(-1, keepdims=True))
+        return (np.exp(la) * (la - lb)).sum(-1)
+
+    kl = jax.jit(kl_divergence)(log_probs(ref), log_probs(lg))
+    np.testing.assert_allclose(kl, f64_kl(ref, lg), rtol=1e-4, atol=1e-6)
+    assert float(jnp.abs(kl_divergence(log_probs(lg), log_probs(lg))).max()) == 0.0
+    one = kl_divergence(log_probs(ref[:1]), log_probs(lg))  # [1, T, V] against [B, T, V]
+    np.testing.assert_allclose(one, f64_kl(np.broadcast_to(ref[:1], lg.shape), lg), rtol=1e-4,
+                               atol=1e-6)

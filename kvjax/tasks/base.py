@@ -13,7 +13,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
@@ -21,7 +20,7 @@ from tqdm.auto import tqdm
 from kvjax.cache import KVCache
 from kvjax.config import ModelConfig
 from kvjax.generate import generate, generate_many
-from kvjax.model import forward
+from kvjax.model import forward, kl_divergence, log_probs, token_nll
 from kvjax.programs import stored_jit
 
 TASKS: dict[str, type[Task]] = {}
@@ -182,8 +181,7 @@ def bar(iterable, ctx: TaskContext, desc: str, total: int | None = None) -> Prog
 def nll_chunk(params, tokens, targets, n_valid, cache: KVCache, cfg: ModelConfig):
     """Forward one chunk; nll [B, T] of each target (the next token) and the new cache."""
     logits, cache = forward(params, tokens, cache, cfg, n_valid)
-    lp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0], cache
+    return token_nll(logits, targets), cache
 
 
 @stored_jit(static_argnames=("cfg",), donate_argnames=("cache", "ref_cache"))
@@ -194,12 +192,11 @@ def agreement_chunk(params, tokens, targets, n_valid, cache, ref_cache, cfg: Mod
     both new caches."""
     logits, cache = forward(params, tokens, cache, cfg, n_valid)
     ref_logits, ref_cache = forward(params, tokens, ref_cache, cfg, n_valid)
-    lp = jax.nn.log_softmax(logits, axis=-1)
-    lr = jax.nn.log_softmax(ref_logits, axis=-1)
-    kl = jnp.maximum(jnp.sum(jnp.exp(lr) * (lr - lp), axis=-1), 0.0)  # >= 0 up to rounding
+    lp, lr = log_probs(logits), log_probs(ref_logits)
+    kl = jnp.maximum(kl_divergence(lr, lp), 0.0)  # >= 0 up to rounding
     top1 = jnp.argmax(logits, axis=-1) == jnp.argmax(ref_logits, axis=-1)
-    take = lambda a: -jnp.take_along_axis(a, targets[..., None], axis=-1)[..., 0]
-    return kl, top1, take(lp), take(lr), cache, ref_cache
+    return (kl, top1, token_nll(logits, targets), token_nll(ref_logits, targets), cache,
+            ref_cache)
 
 
 def chunked(ids: Sequence[int], chunk: int):
