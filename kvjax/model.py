@@ -171,13 +171,13 @@ forward_jit = jax.jit(forward, static_argnames=("cfg", "fresh"))
 forward_jit.__doc__ = "`forward` compiled once per (cfg, shapes); the cache is not donated."
 
 
-# Scores of next-token distributions over the vocabulary V. XLA:CPU (jax 0.10) sends a
-# reduction over V, with the elementwise work around it, to a YNNPACK fusion that runs it
-# several times slower than the matmul that makes the logits: a 128-token chunk's head matmul
-# took 42 ms, the same with `log_softmax` + the target's entry 110 ms, and a KL as a sum over V
-# 127 ms against 33 ms as a dot product over V (docs/benchmarks.md, "Scores over the
-# vocabulary"). So: no [.., V] log-probabilities where one entry is needed, and the KL's sum is
-# a dot product. Values as `jax.nn.log_softmax` computes them: the same two steps.
+# Scores of next-token distributions over the vocabulary V. XLA:CPU (jax 0.10) fuses the head's
+# matmul with log_softmax's max and subtraction into one YNNPACK fusion, and runs a sum over V
+# with elementwise work around it as a slow YNNPACK reduction: for a 128-token chunk, the head
+# alone 40 ms, with log_softmax + the target's entry 107 ms, the agreement task's two heads +
+# KL 218 ms against 85 ms for the heads (experiments/bench_vocab_scores.py, docs/benchmarks.md
+# "Session 22"). So: no [.., V] log-probabilities where one entry is needed (45 ms), and the
+# KL's sum is a dot product (159 ms). Values as `jax.nn.log_softmax` computes them.
 
 
 def log_normalizer(logits):

@@ -561,15 +561,20 @@ def test_cli_prints_the_table_and_writes_the_run_dir(tmp_path, xla_dir):
     assert {"metrics.json", "nll.npy"} <= {p.name for p in (tmp_path / "run").iterdir()}
     log = (tmp_path / "run" / "run.log").read_text()  # the run's log holds what it printed
     assert "cache bytes (closed form)" in log and "results store:" in log
-    # the same point run again (its programs over the floor loaded from the cache)
+    # the same point run again (its programs over the floor loaded from the cache), with W&B
+    # offline: its worker process has written the whole W&B run when run.py returns
     programs = set(os.listdir(xla_dir))
     again = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *TINY, "policy=window", "budget=16", "force=true",
-         f"results={tmp_path}/r.jsonl", f"hydra.run.dir={tmp_path}/run2", f"xla_cache={xla_dir}"],
+        [sys.executable, str(ROOT / "run.py"), *TINY[:-1], "wandb.mode=offline", "policy=window",
+         "budget=16", "force=true", f"results={tmp_path}/r.jsonl",
+         f"hydra.run.dir={tmp_path}/run2", f"xla_cache={xla_dir}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         check=False)
     assert again.returncode == 0, again.stderr
     assert set(os.listdir(xla_dir)) >= programs
+    assert TINY[-1] == "wandb.mode=disabled" and "W&B" not in again.stderr
+    (wandb_file,) = (tmp_path / "run2" / "wandb").glob("offline-run-*/run-*.wandb")
+    assert b"summary_table" in wandb_file.read_bytes() and b"running_nll" in wandb_file.read_bytes()
     bad = subprocess.run([sys.executable, str(ROOT / "run.py"), "kv_dtype=int3"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert bad.returncode == 2 and "valid choices" in bad.stderr
