@@ -134,6 +134,16 @@ def test_floors_count_the_projection_flops_of_the_params():
     assert bench_floors.projection_flops(cfg, 7) == 2 * 7 * weights
 
 
+def test_floors_count_causal_attention_products_from_the_mask():
+    """q.k and p.v over the pairs a causal mask keeps: 2 products x 2 E FLOP per kept pair."""
+    from experiments import bench_floors
+
+    cfg = tiny_config(n_heads=6, n_kv_heads=2, head_dim=16)
+    kept = int(np.tril(np.ones((9, 9), bool)).sum())
+    assert bench_floors.causal_attention_flops(cfg, 9) == (
+        kept * 2 * (2 * cfg.head_dim) * cfg.n_heads * cfg.n_layers)
+
+
 def test_floors_need_torch_before_any_model_loads(monkeypatch):
     from experiments import bench_floors
 
