@@ -22,7 +22,6 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from kvjax import wandb_worker
 from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, plan, run
 from kvjax.loading.hub import cache_root
 from kvjax.mesh import MeshSpec
@@ -290,8 +289,6 @@ def main(cfg: DictConfig):
     try:
         set_xla_cache(cfg.xla_cache)
         set_program_store(cfg.program_store)
-        if spec.wandb.mode != "disabled":
-            wandb_worker.start()  # if run.py has not (W&B's imports overlap the run's)
         out = run(planned, run_dir(), echo)
         return objective(out.record or out.existing, cfg.objective.max_cache_bytes,
                          cfg.objective.penalty, echo)
