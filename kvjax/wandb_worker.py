@@ -46,7 +46,7 @@ def disabled_by(argv: list[str]) -> bool:
 def prestart(argv: list[str]) -> None:
     """Start the worker now, before the run's imports, unless the command line turns W&B off.
     A guess from the command line only: a config that disables W&B leaves the worker idle (it
-    exits with the run); `start` is what the run itself calls."""
+    exits with the run); without it, a point's `begin` starts the worker."""
     if not disabled_by(argv):
         start()
 
