@@ -174,10 +174,10 @@ forward_jit.__doc__ = "`forward` compiled once per (cfg, shapes); the cache is n
 # Scores of next-token distributions over the vocabulary V. XLA:CPU (jax 0.10) fuses the head's
 # matmul with log_softmax's max and subtraction into one YNNPACK fusion, and runs a sum over V
 # with elementwise work around it as a slow YNNPACK reduction: for a 128-token chunk, the head
-# alone 40 ms, with log_softmax + the target's entry 107 ms, the agreement task's two heads +
-# KL 218 ms against 85 ms for the heads (experiments/bench_vocab_scores.py, docs/benchmarks.md
-# "Session 22"). So: no [.., V] log-probabilities where one entry is needed (45 ms), and the
-# KL's sum is a dot product (159 ms). Values as `jax.nn.log_softmax` computes them.
+# alone 41 ms, with log_softmax + the target's entry 109 ms, the agreement task's two heads +
+# KL 239 ms against 107 ms for the heads (experiments/bench_vocab_scores.py, docs/benchmarks.md
+# "Session 22"). So: no [.., V] log-probabilities where one entry is needed (46 ms), and the
+# KL's sum is a dot product (173 ms). Values as `jax.nn.log_softmax` computes them.
 
 
 def log_normalizer(logits):

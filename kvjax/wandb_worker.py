@@ -30,6 +30,7 @@ import sys
 import warnings
 
 _proc: subprocess.Popen | None = None
+_NOT_BEGUN = object()  # the worker got no `begin` for a point it logs
 _SKIP_FLAGS = {"-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc",
                "--shell-completion", "--version"}  # Hydra prints and exits: nothing to log
 
@@ -169,11 +170,10 @@ def serve() -> None:
         if msg["kind"] == "begin":
             begun[msg["head"]["key"]] = begin_wandb(msg["head"], **msg["sink"])
         elif msg["kind"] == "log":
-            key = msg["record"]["key"]
-            if key in begun and begun[key] is None:
-                continue
-            log_wandb(msg["record"], msg["curves"], msg["rows"], **msg["sink"],
-                      run=begun.pop(key, None))
+            run = begun.pop(msg["record"]["key"], _NOT_BEGUN)
+            if run is not None:  # not begun: log_wandb starts the run itself
+                log_wandb(msg["record"], msg["curves"], msg["rows"], **msg["sink"],
+                          run=None if run is _NOT_BEGUN else run)
         elif msg["kind"] == "abort":
             _finish_failed(begun.pop(msg["key"], None))
     for run in begun.values():

@@ -195,8 +195,8 @@ def agreement_chunk(params, tokens, targets, n_valid, cache, ref_cache, cfg: Mod
     lp, lr = log_probs(logits), log_probs(ref_logits)
     kl = jnp.maximum(kl_divergence(lr, lp), 0.0)  # >= 0 up to rounding
     top1 = jnp.argmax(logits, axis=-1) == jnp.argmax(ref_logits, axis=-1)
-    return (kl, top1, token_nll(logits, targets), token_nll(ref_logits, targets), cache,
-            ref_cache)
+    take = lambda a: -jnp.take_along_axis(a, targets[..., None], axis=-1)[..., 0]
+    return kl, top1, take(lp), take(lr), cache, ref_cache
 
 
 def chunked(ids: Sequence[int], chunk: int):
