@@ -11,10 +11,16 @@ f32 weights). Batch 1, interleaved rounds (each rotates which variant goes first
   (kvjax >= 1.25x HF) needs kvjax's prefill <= HF / 1.25; kvjax's prefill contains those
   projections, so where XLA's projections alone take longer, no kvjax built on XLA:CPU's matmuls
   can reach it on these cores.
+* kvjax without attention: the same prefill through a cache whose `attend` returns the queries
+  unchanged (`WithoutAttention`): every other op of kvjax's own program (projections, norms, RoPE
+  of the keys, the cache write, the head), in place. Its time plus exact causal attention's
+  products at the projections' XLA rate is the least kvjax's program can take with any attention.
 * decode at N cached tokens: kvjax's `decode_step` (+ greedy token), HF's cached step, and one
   read of every f32 weight (a sum over all parameters, in XLA and in torch). Batch-1 decode reads
   all weights once per token, so that read is the floor of a step in any framework; the goal
-  (kvjax >= 2x HF) needs a step <= HF / 2.
+  (kvjax >= 2x HF) needs a step <= HF / 2. With two or more contexts, the cache the longest
+  holds beyond the shortest, read once at that weight-read rate, bounds how flat a step can be
+  (goal: the step at the longest <= 1.1x the step at the shortest).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from experiments.bench_decode_floor import matmuls_only
 from experiments.bench_formats import header
@@ -49,6 +56,17 @@ from kvjax.policies import get_policy
 from kvjax.tasks.text import default_text, encode_prefix
 
 GOAL = {"prefill": 1.25, "decode": 2.0}  # issue 14: kvjax speed / HF speed at least this
+FLAT = 1.1  # issue 14: decode step at the longest context <= this x the step at the shortest
+
+
+@struct.dataclass
+class WithoutAttention(KVCache):
+    """The dense cache with its attention replaced by the identity on the queries (and zero
+    probabilities): kvjax's program minus attention, for a floor measurement only."""
+
+    def attend(self, view, q, k, v, pos_new, rope_theta: float):
+        B, T = q.shape[:2]
+        return q, jnp.zeros((B, k.shape[2], T, view.pos.shape[-1] + T), jnp.float32)
 
 
 def projection_flops(cfg, tokens: int) -> float:
@@ -150,8 +168,8 @@ def main(argv=None):
         cache.crop(-a.steps)
         return dt
 
-    def kv_prefill(p):
-        lg, _ = prefill(params, [ids[:p].tolist()], KVCache.init(cfg, 1, full, f32, p), cfg)
+    def kv_prefill(p, cache_type=KVCache):
+        lg, _ = prefill(params, [ids[:p].tolist()], cache_type.init(cfg, 1, full, f32, p), cfg)
         lg.block_until_ready()
 
     def torch_read():
@@ -172,7 +190,8 @@ def main(argv=None):
             "kvjax": lambda p=p: kv_prefill(p),
             "HF": lambda p=p: hf_prefill(p),
             "XLA floor": lambda p=p: mats(params, xs[p]).block_until_ready(),
-            "torch floor": lambda p=p: torch_proj(p)}
+            "torch floor": lambda p=p: torch_proj(p),
+            "kvjax without attention": lambda p=p: kv_prefill(p, WithoutAttention)}
     for n in a.context:
         variants[("decode", n)] = {
             "kvjax": lambda n=n: kv_decode(n), "HF": lambda n=n: hf_decode(n),
@@ -194,10 +213,12 @@ def main(argv=None):
     names = ["kvjax", "HF", "XLA floor", "torch floor"]
 
     def one_round(r):
-        order = names[r % 4:] + names[: r % 4]
-        got = {(m, v): once(m, v) for m in variants for v in order}
+        got = {}
+        for m, fns in variants.items():
+            order = list(fns)[r % len(fns):] + list(fns)[: r % len(fns)]
+            got |= {(m, v): once(m, v) for v in order}
         return got, "; ".join(f"{m[0]} {m[1]}: " + " / ".join(
-            f"{v} {got[m, v] * 1e3:.1f} ms" for v in names) for m in variants)
+            f"{v} {got[m, v] * 1e3:.1f} ms" for v in fns) for m, fns in variants.items())
 
     kept, others, discarded = timed_rounds(a.rounds, a.wait_idle, one_round)
     for got in kept:
@@ -224,13 +245,36 @@ def main(argv=None):
                         "goal_seconds": goal, "xla_floor_over_goal": fx / goal})
         if kind == "prefill":  # + attention's products at the projections' rate (an estimate)
             att = causal_attention_flops(cfg, n) / 1e9
-            with_att = fx + att / (work / fx)
+            products = att / (work / fx)  # seconds at the projections' rate
+            with_att, bare = fx + products, med[m, "kvjax without attention"]
             notes.append(f"* prefill {n} tokens: exact causal attention's q.k and p.v products "
                          f"are {att:.1f} GFLOP more; at the XLA projections' rate "
                          f"({work / fx:.1f} GFLOP/s) the projections and those products take "
                          f"{with_att * 1e3:.1f} ms = {with_att / goal:.2f}x the goal's "
-                         f"{goal * 1e3:.1f} ms, before norms, RoPE, softmax and the head.")
-            summary[-1] |= {"attention_gflop": att, "xla_floor_with_attention_seconds": with_att}
+                         f"{goal * 1e3:.1f} ms, before norms, RoPE, softmax and the head. kvjax "
+                         f"without attention takes {bare * 1e3:.1f} ms (its attention "
+                         f"{(kv - bare) * 1e3:.1f} ms, {att / (kv - bare):.1f} GFLOP/s of those "
+                         f"products); with those products at that rate, "
+                         f"{(bare + products) * 1e3:.1f} ms = {(bare + products) / goal:.2f}x "
+                         "the goal.")
+            summary[-1] |= {"attention_gflop": att, "xla_floor_with_attention_seconds": with_att,
+                            "without_attention_seconds": bare,
+                            "without_attention_floor_over_goal": (bare + products) / goal}
+    if len(a.context) > 1:  # the longer cache read once at the weights' read rate
+        lo, hi = min(a.context), max(a.context)
+        extra = kv_base[hi][1].nbytes() - kv_base[lo][1].nbytes()
+        rate = weight_bytes / med[("decode", lo), "XLA floor"]
+        step = med[("decode", lo), "kvjax"]
+        least = (step + extra / rate) / step
+        notes.append(f"* decode flatness: the cache at {hi} tokens holds {extra / 1e6:.1f} MB "
+                     f"more than at {lo}; read once at the weights' XLA read rate "
+                     f"({rate / 1e9:.1f} GB/s) that is {extra / rate * 1e3:.2f} ms, so a step "
+                     f"at {hi} is at least {least:.3f}x kvjax's step at {lo} "
+                     f"(goal <= {FLAT}x; measured "
+                     f"{med[('decode', hi), 'kvjax'] / step:.3f}x).")
+        summary.append({"measure": "decode flatness", "tokens": [lo, hi],
+                        "extra_cache_bytes": extra, "least_ratio": least,
+                        "ratio": med[("decode", hi), "kvjax"] / step, "goal_ratio": FLAT})
     head = (f"{header('bench_floors', argv)}\nmachine: {platform.processor() or platform.machine()}"
             f", {cores} core(s), jax {jax.__version__}, torch {torch.__version__}, transformers "
             f"{transformers.__version__}; f32, batch 1, HF at {cores} threads (sdpa); medians of "

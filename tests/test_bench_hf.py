@@ -153,3 +153,29 @@ def test_floors_need_torch_before_any_model_loads(monkeypatch):
         bench_floors.main(["--rounds", "1"])
     with pytest.raises(SystemExit):
         bench_floors.main(["--rounds", "0"])
+
+
+def test_floors_without_attention_removes_only_the_attention():
+    """bench_floors' `WithoutAttention` prefill: the same program with attention's output
+    replaced by the queries. Layer 0 stores the same keys and values as the real cache (they do
+    not depend on attention); the layers after it and the logits differ (attention is gone)."""
+    from experiments import bench_floors
+    from kvjax.cache import KVCache
+    from kvjax.formats import get_format
+    from kvjax.generate import prefill
+    from kvjax.policies import get_policy
+
+    cfg = tiny_config(n_heads=6, n_kv_heads=2, head_dim=16)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    out = {}
+    for kind in (KVCache, bench_floors.WithoutAttention):
+        cache = kind.init(cfg, 1, get_policy("full"), get_format("f32"), 8)
+        out[kind] = prefill(params, prompt, cache, cfg)
+    (lg, real), (lg_bare, bare) = out.values()
+    assert isinstance(bare, bench_floors.WithoutAttention)
+    first, second = (bare.layer_view(0), real.layer_view(0)), (bare.layer_view(1), real.layer_view(1))
+    np.testing.assert_array_equal(np.asarray(first[0].k), np.asarray(first[1].k))
+    np.testing.assert_array_equal(np.asarray(first[0].v), np.asarray(first[1].v))
+    assert not np.allclose(np.asarray(second[0].k), np.asarray(second[1].k))
+    assert not np.allclose(np.asarray(lg_bare), np.asarray(lg))
