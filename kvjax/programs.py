@@ -217,6 +217,16 @@ def _no_persistent_write():
         yield
 
 
+def _type_of(x) -> tuple:
+    """A leaf's shape, dtype and weak type: what a program is compiled for here (one device).
+    Not its aval: under jax 0.12 the arrays a loaded program returns carry avals with another
+    layout object (equal by repr, not by identity), so every call fed them missed the programs
+    held in memory and loaded the same file again. An Array's aval is cached on it (`typeof`
+    of every leaf cost ~5x the decode dispatch)."""
+    a = x.aval if isinstance(x, jax.Array) else jax.typeof(x)
+    return a.shape, a.dtype, a.weak_type
+
+
 class StoredJit:
     """`jax.jit(fun, static_argnames=..., donate_argnames=...)`, its executables kept on disk
     (see the module docstring). `.compile(*args)` compiles (or loads) without running;
@@ -266,13 +276,14 @@ class StoredJit:
         where the store does not serve them."""
         if not _usable():
             return None, None
+        _machine()  # its first call imports kvjax's policies and kernels, hence Pallas, whose
+        # options (jax 0.12) join the trace context: before the key, not between two calls
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         static = tuple((k, v) for k, v in bound.arguments.items() if k in self._static)
         dynamic = {k: v for k, v in bound.arguments.items() if k not in self._static}
         leaves, treedef = jax.tree.flatten(dynamic)
-        # an Array's aval is cached on it: typeof of every leaf cost ~5x the decode dispatch
-        types = tuple(x.aval if isinstance(x, jax.Array) else jax.typeof(x) for x in leaves)
+        types = tuple(_type_of(x) for x in leaves)
         key = (static, treedef, types, jax_config.trace_context())  # precision, x64
         compiled = self._loaded.get(key)
         if compiled is None:

@@ -244,6 +244,14 @@ def _variant_id(v):
     return "-".join(f"{k}={getattr(x, '__name__', x)}" for k, x in v.items())
 
 
+def cuda_target():
+    """The GPU the lowering targets, as an abstract device: jax 0.12's Triton lowering asks the
+    device for its compute capability and, on a host without a GPU, needs one named (an H200,
+    the GPU this project is lent). jax 0.10-0.11 lower without it."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev))
+
+
 @pytest.mark.parametrize("v", _lowering_variants(), ids=_variant_id)
 def test_compiled_kernel_lowers_to_triton_for_cuda(v):
     """The compiled kernel (interpret=False) lowers for CUDA on any host, in every variant it
@@ -275,7 +283,8 @@ def test_compiled_kernel_lowers_to_triton_for_cuda(v):
             extra_lse=extra, return_lse=v.get("lse", False), num_warps=v.get("warps", 4),
             num_stages=v.get("stages", 2), interpret=False)
 
-    lowered = jax.jit(run).trace(*args, jnp.int32(1)).lower(lowering_platforms=("cuda",))
+    with cuda_target():
+        lowered = jax.jit(run).trace(*args, jnp.int32(1)).lower(lowering_platforms=("cuda",))
     calls = [line for line in lowered.as_text().splitlines()
              if "custom_call @__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1

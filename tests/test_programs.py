@@ -91,7 +91,8 @@ def test_a_program_loaded_back_computes_what_jit_computes(setup, store):
     assert float(jnp.abs(want[0]).sum()) > 0  # a real NLL, not zeros
     assert all(x.is_deleted() for x in jax.tree.leaves(donated))  # the cache is still donated
     nll_chunk.compile(params, toks, tgts, nv, copy(cache), CFG)  # held: nothing new
-    assert stats == {"compiled": 1, "loaded": 1}
+    nll_chunk(params, toks, tgts, nv, again[1], CFG)  # the loaded program's own cache fed back
+    assert stats == {"compiled": 1, "loaded": 1}  # (jax 0.12 loaded it again: another layout)
 
 
 def test_a_program_jax_may_have_served_is_stored_by_the_next_run(setup, store, monkeypatch):
