@@ -24,12 +24,15 @@ import contextlib
 import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import warnings
 
 _proc: subprocess.Popen | None = None
+_tmp: str | None = None  # the worker's TMPDIR, removed once it has exited
 _NOT_BEGUN = object()  # the worker got no `begin` for a point it logs
 _SKIP_FLAGS = {"-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc",
                "--shell-completion", "--version"}  # Hydra prints and exits: nothing to log
@@ -59,19 +62,33 @@ def running() -> bool:
 def start() -> None:
     """Start the worker unless one is running (no-op where none can start: `submit` then logs
     in this process)."""
-    global _proc
+    global _proc, _tmp
     if running():
         return
+    _remove_tmp()  # a worker that died left its folder
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = f"import sys; sys.path.append({root!r}); from kvjax.wandb_worker import serve; serve()"
-    try:  # -P: the working directory (a checkout's top-level folders) shadows nothing of W&B's
+    try:
+        # W&B makes temporary folders as it imports and removes them at interpreter exit,
+        # which the worker skips (`serve`): they go with its own TMPDIR, removed by `drain`
+        _tmp = tempfile.mkdtemp(prefix="kvjax-wandb-")
+        # -P: the working directory (a checkout's top-level folders) shadows nothing of W&B's
         _proc = subprocess.Popen([sys.executable, "-P", "-c", code], stdin=subprocess.PIPE,
-                                 stdout=subprocess.DEVNULL, text=True, encoding="utf-8")
+                                 stdout=subprocess.DEVNULL, text=True, encoding="utf-8",
+                                 env={**os.environ, "TMPDIR": _tmp})
     except OSError as e:
         warnings.warn(f"W&B worker did not start ({e}); logging in this process", stacklevel=2)
         _proc = None
+        _remove_tmp()
         return
     atexit.register(drain)
+
+
+def _remove_tmp() -> None:
+    global _tmp
+    tmp, _tmp = _tmp, None
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _send(msg: dict) -> bool:
@@ -139,6 +156,8 @@ def drain() -> None:
         proc.wait()
         print("interrupted: W&B logging stopped; the local records are safe", file=sys.stderr)
         return
+    finally:
+        _remove_tmp()
     if rc != 0:
         warnings.warn(f"W&B worker exited with status {rc}; some runs may be missing from W&B "
                       "(the local records are safe)", stacklevel=2)

@@ -564,13 +564,16 @@ def test_cli_prints_the_table_and_writes_the_run_dir(tmp_path, xla_dir):
     # the same point run again (its programs over the floor loaded from the cache), with W&B
     # offline: its worker process has written the whole W&B run when run.py returns
     programs = set(os.listdir(xla_dir))
+    tmp = tmp_path / "tmp"  # the run's TMPDIR: W&B leaves nothing there
+    tmp.mkdir()
     again = subprocess.run(
         [sys.executable, str(ROOT / "run.py"), *TINY[:-1], "wandb.mode=offline", "policy=window",
          "budget=16", "force=true", f"results={tmp_path}/r.jsonl",
          f"hydra.run.dir={tmp_path}/run2", f"xla_cache={xla_dir}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        check=False)
+        check=False, env={**os.environ, "TMPDIR": str(tmp)})
     assert again.returncode == 0, again.stderr
+    assert not [p.name for p in tmp.rglob("*wandb*")]
     assert set(os.listdir(xla_dir)) >= programs
     assert TINY[-1] == "wandb.mode=disabled" and "W&B" not in again.stderr
     (wandb_file,) = (tmp_path / "run2" / "wandb").glob("offline-run-*/run-*.wandb")

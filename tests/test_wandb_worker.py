@@ -9,6 +9,7 @@ import textwrap
 import time
 import types
 import warnings
+from pathlib import Path
 from unittest.mock import ANY
 
 import numpy as np
@@ -18,14 +19,16 @@ from kvjax import wandb_worker
 from kvjax.tasks import TaskResult
 
 FAKE_WANDB = textwrap.dedent('''
-    import json, os
+    import json, os, tempfile
+
+    _MEDIA = tempfile.mkdtemp("wandb-media")  # as W&B's import makes one (removed at exit)
 
     def _say(*what):
         with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
             f.write(json.dumps([os.getpid(), *what]) + "\\n")
 
     def setup():
-        _say("setup")
+        _say("setup", _MEDIA)
 
     class Settings(dict):
         def __init__(self, **kw):
@@ -176,3 +179,15 @@ def test_disabled_submits_nothing_and_prestart_reads_the_command_line(fake_wandb
         assert not wandb_worker.disabled_by(argv), argv
     wandb_worker.prestart(["policy=lru"])
     assert wandb_worker.running()
+
+
+def test_the_temporary_folders_wandb_makes_go_with_the_worker(fake_wandb, tmp_path):
+    """W&B's import makes temporary folders that only its exit handlers remove, and the worker
+    skips those: it runs with a TMPDIR of its own, removed when it has exited."""
+    wandb_worker.start()
+    wandb_worker.submit(record("a"), None, **sink(tmp_path))
+    wandb_worker.drain()
+    media = fake_wandb()[0][2]
+    assert Path(media).name.endswith("wandb-media") and not Path(media).exists()
+    assert Path(media).parent.name.startswith("kvjax-wandb-")
+    assert not Path(media).parent.exists() and wandb_worker._tmp is None
