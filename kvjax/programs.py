@@ -218,13 +218,13 @@ def _no_persistent_write():
 
 
 def _type_of(x) -> tuple:
-    """A leaf's shape, dtype and weak type: what a program is compiled for here (one device).
-    Not its aval: under jax 0.12 the arrays a loaded program returns carry avals with another
-    layout object (equal by repr, not by identity), so every call fed them missed the programs
-    held in memory and loaded the same file again. An Array's aval is cached on it (`typeof`
-    of every leaf cost ~5x the decode dispatch)."""
+    """A leaf's shape, dtype, weak type and memory: what a program is compiled for here (one
+    device). Not its aval: under jax 0.12 the arrays a loaded program returns carry avals with
+    another layout object (equal by repr, not by identity), so every call fed them missed the
+    programs held in memory and loaded the same file again. An Array's aval is cached on it
+    (`typeof` of every leaf cost ~5x the decode dispatch)."""
     a = x.aval if isinstance(x, jax.Array) else jax.typeof(x)
-    return a.shape, a.dtype, a.weak_type
+    return a.shape, a.dtype, a.weak_type, getattr(a, "memory_space", None)
 
 
 class StoredJit:
