@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
@@ -201,6 +202,15 @@ def test_point_key_is_the_content_of_text_format_and_code(tmp_path, monkeypatch)
     assert "text_file" not in pt["task"] and str(tmp_path) not in json.dumps(pt)
     assert pt["format"] == {"name": "f32"} and pt["model"]["name"] == "tiny"
     assert pt["code"]["version"] == "0.1.0" and len(pt["code"]["source_sha256"]) == 16
+    # and the JAX that compiled it, on which backend: another JAX moves the numbers
+    assert pt["code"]["jax"] == jax.__version__ and pt["code"]["backend"] == "cpu"
+    experiment.code_identity.cache_clear()
+    monkeypatch.setattr(jax, "__version__", "0.0.1")
+    try:
+        assert key() != plan(spec_of("model=tiny")).key
+    finally:
+        monkeypatch.undo()
+        experiment.code_identity.cache_clear()
     # the default text enters by content too (it used to differ between Python versions)
     assert plan(spec_of("model=tiny")).point["text"]["sha256"] == sha256_text(default_text())
     monkeypatch.setattr(experiment, "load_text", lambda f: ("other words " * 200, "x"))
