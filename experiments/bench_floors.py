@@ -20,16 +20,23 @@ f32 weights). Batch 1, interleaved rounds (each rotates which variant goes first
   all weights once per token, so that read is the floor of a step in any framework; the goal
   (kvjax >= 2x HF) needs a step <= HF / 2. With two or more contexts, the cache the longest
   holds beyond the shortest, read once at that weight-read rate, bounds how flat a step can be
-  (goal: the step at the longest <= 1.1x the step at the shortest).
+  (goal: the step at the longest <= 1.1x the step at the shortest). Two more decode variants
+  split the step's growth with the context: kvjax without attention (`WithoutAttention`: what
+  grows besides attention), and kvjax with every layer's cache in buffers of its own that XLA's
+  attention products read in place (`InPlaceLayers`: the stacked cache's per-layer slice copies
+  gone, which is what per-layer cache buffers would give).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import platform
 import statistics
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +54,7 @@ from experiments.bench_hf import (
     timed_rounds,
     write_json,
 )
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, LayerView
 from kvjax.formats import get_format
 from kvjax.generate import decode_step, prefill, sample
 from kvjax.loading import load_model
@@ -67,6 +74,82 @@ class WithoutAttention(KVCache):
     def attend(self, view, q, k, v, pos_new, rope_theta: float):
         B, T = q.shape[:2]
         return q, jnp.zeros((B, k.shape[2], T, view.pos.shape[-1] + T), jnp.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _LayerAt(LayerView):
+    """A layer view that knows its layer's index (traced), and no keys or values."""
+
+    layer: Any = None
+
+
+@struct.dataclass
+class InPlaceLayers(KVCache):
+    """The dense cache with each layer's stored keys and values in buffers of their own (k and v
+    are tuples of one-layer stores), for a floor measurement only. `attend` runs the layer's
+    attention in the `lax.switch` branch of that layer, so its products read the layer's own
+    buffers in place; the stacked cache's layer is a dynamic slice, which XLA:CPU copies out
+    first. Positions and policy stats stay stacked. For policies that never read the cached
+    keys and values themselves (`full`): the view they get holds none."""
+
+    @classmethod
+    def of(cls, cache: KVCache) -> InPlaceLayers:
+        """`cache` in fresh buffers (it may be donated), each layer's stores its own."""
+        L = cache.pos.shape[0]
+
+        def own(tree, i):  # layer i as a stack of one
+            return jax.tree.map(lambda a: jnp.array(a[i : i + 1]), tree)
+
+        rest = jax.tree.map(jnp.copy, (cache.pos, cache.stats, cache.length, cache.nonfinite))
+        return cls(tuple(own(cache.k, i) for i in range(L)),
+                   tuple(own(cache.v, i) for i in range(L)), *rest,
+                   fmt=cache.fmt, policy=cache.policy)
+
+    def stacked(self) -> KVCache:
+        """The same cache as a `KVCache` (stacked stores)."""
+        def stack(stores):
+            return jax.tree.map(lambda *a: jnp.concatenate(a), *stores)
+
+        return KVCache(k=stack(self.k), v=stack(self.v), pos=self.pos, stats=self.stats,
+                       length=self.length, nonfinite=self.nonfinite, fmt=self.fmt,
+                       policy=self.policy)
+
+    def _one(self, i: int) -> KVCache:
+        """Layer i alone: a one-layer `KVCache` over its own buffers."""
+        return KVCache(k=self.k[i], v=self.v[i], pos=self.pos[i : i + 1],
+                       stats=jax.tree.map(lambda s: s[i : i + 1], self.stats),
+                       length=self.length, nonfinite=self.nonfinite[i : i + 1],
+                       fmt=self.fmt, policy=self.policy)
+
+    def layer_view(self, layer, empty: bool = False) -> LayerView:
+        return _LayerAt(k=None, v=None, pos=self.pos[layer],
+                        stats=jax.tree.map(lambda s: s[layer], self.stats), length=self.length,
+                        empty=empty, layer=layer)
+
+    def attend(self, view, q, k, v, pos_new, rope_theta: float):
+        def branch(i, q, k, v):
+            one = self._one(i)
+            return KVCache.attend(one, one.layer_view(0, view.empty), q, k, v, pos_new,
+                                  rope_theta)
+
+        layers = [functools.partial(branch, i) for i in range(len(self.k))]
+        return jax.lax.switch(view.layer, layers, q, k, v)
+
+    def store_layers(self, updates, pos_new) -> InPlaceLayers:
+        """Each layer's update written into its own buffers (positions, stats and flags into
+        the stacked arrays, in place)."""
+        out = self
+        ks, vs = list(self.k), list(self.v)
+        for i in range(len(self.k)):
+            one = self._one(i).store(jnp.zeros((1,), jnp.int32),
+                                     jax.tree.map(lambda u, i=i: u[i : i + 1], updates), pos_new)
+            ks[i], vs[i] = one.k, one.v
+            out = out.replace(
+                pos=out.pos.at[i].set(one.pos[0]),
+                stats=jax.tree.map(lambda s, n, i=i: s.at[i].set(n[0]), out.stats, one.stats),
+                nonfinite=out.nonfinite.at[i].set(one.nonfinite[0]))
+        return out.replace(k=tuple(ks), v=tuple(vs))
 
 
 def projection_flops(cfg, tokens: int) -> float:
@@ -139,16 +222,18 @@ def main(argv=None):
 
     kv_base, hf_base = {}, {}
     for n in a.context:
-        lg, c = prefill(params, [ids[:n].tolist()], KVCache.init(cfg, 1, full, f32, n + a.steps),
-                        cfg)
-        kv_base[n] = (sample(lg, key), c)
+        for kind in (KVCache, WithoutAttention):
+            lg, c = prefill(params, [ids[:n].tolist()],
+                            kind.init(cfg, 1, full, f32, n + a.steps), cfg)
+            kv_base[n, kind] = (sample(lg, key), c)
+        kv_base[n, InPlaceLayers] = (kv_base[n, KVCache][0], InPlaceLayers.of(c))
         with torch.inference_mode():
             out = model(input_ids=torch.from_numpy(ids[None, :n]), use_cache=True,
                         logits_to_keep=1)
         hf_base[n] = (out.logits[:, -1:].argmax(-1), _cache_of(out))
 
-    def kv_decode(n):
-        tok, base = kv_base[n]
+    def kv_decode(n, kind=KVCache):
+        tok, base = kv_base[n, kind]
         c = jax.tree.map(jnp.copy, base)  # decode_step donates its cache
         jax.block_until_ready(c)
         t0 = time.perf_counter()
@@ -196,11 +281,14 @@ def main(argv=None):
         variants[("decode", n)] = {
             "kvjax": lambda n=n: kv_decode(n), "HF": lambda n=n: hf_decode(n),
             "XLA floor": lambda: read_xla(params).block_until_ready(),
-            "torch floor": torch_read}
+            "torch floor": torch_read,
+            "kvjax, cache read in place": lambda n=n: kv_decode(n, InPlaceLayers),
+            "kvjax without attention": lambda n=n: kv_decode(n, WithoutAttention)}
 
     def once(measure, v):
         fn = variants[measure][v]
-        return fn() if measure[0] == "decode" and v in ("kvjax", "HF") else timed(fn)
+        return fn() if measure[0] == "decode" and v not in ("XLA floor", "torch floor") \
+            else timed(fn)
 
     t = time.perf_counter()
     for m, fns in variants.items():  # warm-up: compiles, first torch calls
@@ -227,7 +315,7 @@ def main(argv=None):
     med = {k: statistics.median(v) for k, v in times.items() if v}
 
     rows, summary, notes = [], [], []
-    for m in variants:
+    for m, fns in variants.items():
         kind, n = m
         kv, hf, fx, ft = (med[m, v] for v in names)
         goal = hf / GOAL[kind]
@@ -241,7 +329,7 @@ def main(argv=None):
                     f"{GOAL[kind]}x: <= {goal * 1e3:.1f} ms | {floor} | {fx * 1e3:.1f} ms "
                     f"({work / fx:.1f} {unit}) | {ft * 1e3:.1f} ms ({work / ft:.1f} {unit}) | "
                     f"{fx / goal:.2f}x |")
-        summary.append({"measure": kind, "tokens": n, "seconds": dict(zip(names, (kv, hf, fx, ft))),
+        summary.append({"measure": kind, "tokens": n, "seconds": {v: med[m, v] for v in fns},
                         "goal_seconds": goal, "xla_floor_over_goal": fx / goal})
         if kind == "prefill":  # + attention's products at the projections' rate (an estimate)
             att = causal_attention_flops(cfg, n) / 1e9
@@ -262,19 +350,38 @@ def main(argv=None):
                             "without_attention_floor_over_goal": (bare + products) / goal}
     if len(a.context) > 1:  # the longer cache read once at the weights' read rate
         lo, hi = min(a.context), max(a.context)
-        extra = kv_base[hi][1].nbytes() - kv_base[lo][1].nbytes()
+        extra = kv_base[hi, KVCache][1].nbytes() - kv_base[lo, KVCache][1].nbytes()
         rate = weight_bytes / med[("decode", lo), "XLA floor"]
         step = med[("decode", lo), "kvjax"]
         least = (step + extra / rate) / step
+
+        def grows(v):  # a variant's step at hi minus its step at lo
+            return med[("decode", hi), v] - med[("decode", lo), v]
+
+        def steps(v):
+            return f"{med[('decode', lo), v] * 1e3:.1f} -> {med[('decode', hi), v] * 1e3:.1f} ms"
+
+        in_place, bare = grows("kvjax, cache read in place"), grows("kvjax without attention")
+        with_in_place = (step + in_place) / step
         notes.append(f"* decode flatness: the cache at {hi} tokens holds {extra / 1e6:.1f} MB "
                      f"more than at {lo}; read once at the weights' XLA read rate "
                      f"({rate / 1e9:.1f} GB/s) that is {extra / rate * 1e3:.2f} ms, so a step "
                      f"at {hi} is at least {least:.3f}x kvjax's step at {lo} "
                      f"(goal <= {FLAT}x; measured "
-                     f"{med[('decode', hi), 'kvjax'] / step:.3f}x).")
+                     f"{med[('decode', hi), 'kvjax'] / step:.3f}x). From {lo} to {hi} tokens "
+                     f"kvjax's step grows {grows('kvjax') * 1e3:.2f} ms ({steps('kvjax')}); "
+                     f"without attention {bare * 1e3:.2f} ms "
+                     f"({steps('kvjax without attention')}); with every layer's cache in its "
+                     f"own buffers, read in place by XLA's own attention products "
+                     f"(`InPlaceLayers`), {in_place * 1e3:.2f} ms "
+                     f"({steps('kvjax, cache read in place')}): kvjax's step at {lo} plus that "
+                     f"growth is {with_in_place:.3f}x its step at {lo}.")
         summary.append({"measure": "decode flatness", "tokens": [lo, hi],
                         "extra_cache_bytes": extra, "least_ratio": least,
-                        "ratio": med[("decode", hi), "kvjax"] / step, "goal_ratio": FLAT})
+                        "ratio": med[("decode", hi), "kvjax"] / step, "goal_ratio": FLAT,
+                        "growth_seconds": {v: grows(v) for v in variants[("decode", lo)]
+                                           if "floor" not in v},
+                        "in_place_ratio": with_in_place})
     head = (f"{header('bench_floors', argv)}\nmachine: {platform.processor() or platform.machine()}"
             f", {cores} core(s), jax {jax.__version__}, torch {torch.__version__}, transformers "
             f"{transformers.__version__}; f32, batch 1, HF at {cores} threads (sdpa); medians of "
