@@ -152,6 +152,20 @@ class InPlaceLayers(KVCache):
         return out.replace(k=tuple(ks), v=tuple(vs))
 
 
+def decode_bases(params, cfg, prompt, capacity: int, key) -> dict:
+    """Per decode variant's cache class, (first sampled token, full f32 cache after `prompt`):
+    `KVCache`, `WithoutAttention` (its own prefill), and `InPlaceLayers` (KVCache's cache with
+    its layers apart: the same tokens and values)."""
+    out = {}
+    for kind in (KVCache, WithoutAttention):
+        cache = kind.init(cfg, 1, get_policy("full"), get_format("f32"), capacity)
+        lg, cache = prefill(params, [prompt], cache, cfg)
+        out[kind] = (sample(lg, key), cache)
+    tok, cache = out[KVCache]
+    out[InPlaceLayers] = (tok, InPlaceLayers.of(cache))
+    return out
+
+
 def projection_flops(cfg, tokens: int) -> float:
     """Multiply-adds x 2 of the seven projections of every layer over `tokens` tokens."""
     d, hq, hk, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
@@ -222,11 +236,8 @@ def main(argv=None):
 
     kv_base, hf_base = {}, {}
     for n in a.context:
-        for kind in (KVCache, WithoutAttention):
-            lg, c = prefill(params, [ids[:n].tolist()],
-                            kind.init(cfg, 1, full, f32, n + a.steps), cfg)
-            kv_base[n, kind] = (sample(lg, key), c)
-        kv_base[n, InPlaceLayers] = (kv_base[n, KVCache][0], InPlaceLayers.of(c))
+        for kind, base in decode_bases(params, cfg, ids[:n].tolist(), n + a.steps, key).items():
+            kv_base[n, kind] = base
         with torch.inference_mode():
             out = model(input_ids=torch.from_numpy(ids[None, :n]), use_cache=True,
                         logits_to_keep=1)

@@ -182,25 +182,25 @@ def test_floors_without_attention_removes_only_the_attention():
 
 
 def test_floors_in_place_layers_decode_the_same_and_copy_no_layer():
-    """bench_floors' `InPlaceLayers`: every layer's cache in buffers of its own. Its decode steps
-    give the same logits and, stacked back, the same cache as `KVCache`'s; its compiled step
-    takes no dynamic slice of a layer's stored keys or values, which the stacked cache's does."""
+    """bench_floors' `InPlaceLayers`: every layer's cache in buffers of its own. From the same
+    prompt (`decode_bases`) its decode steps give the same logits and, stacked back, the same
+    cache as `KVCache`'s (`WithoutAttention`'s do not); its compiled step takes no dynamic slice
+    of a layer's stored keys or values, which the stacked cache's does."""
     import re
 
     import jax.numpy as jnp
 
     from experiments import bench_floors
     from kvjax.cache import KVCache
-    from kvjax.formats import get_format
-    from kvjax.generate import decode_step, prefill
-    from kvjax.policies import get_policy
+    from kvjax.generate import decode_step
 
     cfg = tiny_config(n_heads=6, n_kv_heads=2, head_dim=16)
     params = init_params(cfg, jax.random.PRNGKey(0))
-    cache = KVCache.init(cfg, 1, get_policy("full"), get_format("f32"), 12)
-    lg, cache = prefill(params, [[3, 1, 4, 1, 5, 9, 2, 6]], cache, cfg)
-    ours = bench_floors.InPlaceLayers.of(cache)
-    tok = jnp.argmax(lg, -1).astype(jnp.int32)
+    bases = bench_floors.decode_bases(params, cfg, [3, 1, 4, 1, 5, 9, 2, 6], 12,
+                                      jax.random.PRNGKey(0))
+    (tok, cache), (tok_ours, ours) = bases[KVCache], bases[bench_floors.InPlaceLayers]
+    assert int(tok_ours[0]) == int(tok[0])
+    bare_lg, _ = decode_step(params, tok, bases[bench_floors.WithoutAttention][1], cfg)
     shapes = "|".join(",".join(map(str, s["q"].shape[1:])) for s in (cache.k, cache.v))
     layer_slices = {}  # instructions that slice one layer's stored keys or values
     for c in (cache, ours):
@@ -208,10 +208,12 @@ def test_floors_in_place_layers_decode_the_same_and_copy_no_layer():
         layer_slices[type(c)] = len(re.findall(rf"= f32\[(1,)?({shapes})\]\S* dynamic-slice\(",
                                                text))
     assert layer_slices[KVCache] > 0 and layer_slices[bench_floors.InPlaceLayers] == 0
-    for _ in range(3):
+    for step in range(3):
         lg_ref, cache = decode_step(params, tok, cache, cfg)
         lg_ours, ours = decode_step(params, tok, ours, cfg)
         np.testing.assert_array_equal(np.asarray(lg_ours), np.asarray(lg_ref))
+        if step == 0:
+            assert not np.allclose(np.asarray(bare_lg), np.asarray(lg_ref))
         tok = jnp.argmax(lg_ref, -1).astype(jnp.int32)
     assert isinstance(ours, bench_floors.InPlaceLayers) and len(ours.k) == cfg.n_layers
     jax.tree.map(np.testing.assert_array_equal, ours.stacked(), cache)
