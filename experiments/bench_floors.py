@@ -128,10 +128,10 @@ class InPlaceLayers(KVCache):
                         empty=empty, layer=layer)
 
     def attend(self, view, q, k, v, pos_new, rope_theta: float):
-        def branch(i, q, k, v):
-            one = self._one(i)
-            return KVCache.attend(one, one.layer_view(0, view.empty), q, k, v, pos_new,
-                                  rope_theta)
+        def branch(i, q, k, v):  # layer i's keys and values read from its own stores
+            own = LayerView(k=self.fmt.read(self.k[i], 0, "k"), v=self.fmt.read(self.v[i], 0, "v"),
+                            pos=view.pos, stats=view.stats, length=view.length, empty=view.empty)
+            return KVCache.attend(self, own, q, k, v, pos_new, rope_theta)
 
         layers = [functools.partial(branch, i) for i in range(len(self.k))]
         return jax.lax.switch(view.layer, layers, q, k, v)
