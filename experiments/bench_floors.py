@@ -30,13 +30,11 @@ f32 weights). Batch 1, interleaved rounds (each rotates which variant goes first
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import platform
 import statistics
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,14 +72,6 @@ class WithoutAttention(KVCache):
     def attend(self, view, q, k, v, pos_new, rope_theta: float):
         B, T = q.shape[:2]
         return q, jnp.zeros((B, k.shape[2], T, view.pos.shape[-1] + T), jnp.float32)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _LayerAt(LayerView):
-    """A layer view that knows its layer's index (traced), and no keys or values."""
-
-    layer: Any = None
 
 
 @struct.dataclass
@@ -123,9 +113,9 @@ class InPlaceLayers(KVCache):
                        fmt=self.fmt, policy=self.policy)
 
     def layer_view(self, layer, empty: bool = False) -> LayerView:
-        return _LayerAt(k=None, v=None, pos=self.pos[layer],
-                        stats=jax.tree.map(lambda s: s[layer], self.stats), length=self.length,
-                        empty=empty, layer=layer)
+        return LayerView(k=None, v=None, pos=self.pos[layer],
+                         stats=jax.tree.map(lambda s: s[layer], self.stats), length=self.length,
+                         empty=empty, layer=layer)
 
     def attend(self, view, q, k, v, pos_new, rope_theta: float):
         def branch(i, q, k, v):  # layer i's keys and values read from its own stores

@@ -2,7 +2,8 @@
 
     python -m experiments.bench_hf [--prompt 512 2048] [--contexts 128 512 1024] [--steps 8]
                                    [--rounds 5] [--hf-threads 2 1] [--wait-idle SECONDS]
-                                   [--kv-extra h2o:512:int4] [--out FILE]
+                                   [--kv-extra h2o:512:int4 [h2o:512:int4:all-slots]]
+                                   [--out FILE]
 
 Both sides run the same weights in f32 at batch 1: kvjax (dense `full` cache, jitted prefill and
 decode step, compile excluded by warm-up, timed through `block_until_ready`) and a
@@ -16,8 +17,9 @@ which goes first, and the table gives medians over rounds. "Decode at N" is the 
 token of `--steps` greedy steps (model step + argmax) starting from a cache that holds N tokens;
 kvjax's cache capacity is N + steps, what `generate` allocates for that run. `--kv-extra`
 variants (policy, budget, storage format; kvjax only, e.g. h2o with 512 slots in int4) decode in
-the same rounds from a prompt of N tokens read into that policy's cache. `--out FILE` writes the
-table and, beside it, the medians as JSON (`json_path`).
+the same rounds from a prompt of N tokens read into that policy's cache; with `:all-slots` its
+attention reads every slot, not only up to the occupied ones (`AllSlots`). `--out FILE` writes
+the table and, beside it, the medians as JSON (`json_path`).
 
 Threads: JAX's CPU backend runs on every core of this process's CPU affinity; HF is timed with
 `torch.set_num_threads` at that many threads and, as a control, at 1 (`--hf-threads`). On a
@@ -40,10 +42,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from kvjax.cache import KVCache
 from kvjax.config import ModelConfig
@@ -54,6 +58,18 @@ from kvjax.loading import load_model
 from kvjax.model import forward_jit, to_device
 from kvjax.policies import get_policy
 from kvjax.tasks.text import default_text, encode_prefix
+
+ALL_SLOTS = "all-slots"
+
+
+@struct.dataclass
+class AllSlots(KVCache):
+    """The dense cache with attention over all its slots, occupied or not (`KVCache.attend`
+    reads only up to the occupied ones): `--kv-extra h2o:512:int4:all-slots` times, in the same
+    rounds, what that bound saves a cache with more room than tokens."""
+
+    bounded_reads: ClassVar[bool] = False
+
 
 INSTALL_HINT = (
     "experiments/bench_hf.py needs torch and transformers, which kvjax does not depend on. "
@@ -263,8 +279,10 @@ def parse_args(argv=None):
                          "other processes use < 0.2 cores, and redo (up to 3x rounds attempts in "
                          "all) rounds during which they used more")
     ap.add_argument("--kv-extra", nargs="*", default=["h2o:512:int4"],
-                    metavar="POLICY:BUDGET:FORMAT",
-                    help="kvjax-only decode variants timed in the same rounds")
+                    metavar="POLICY:BUDGET:FORMAT[:all-slots]",
+                    help="kvjax-only decode variants timed in the same rounds; ':all-slots' "
+                         "attends over every slot of the cache (`AllSlots`), not only up to "
+                         "the occupied ones")
     ap.add_argument("--out", default=None,
                     help="also write the Markdown table here, and its medians as JSON beside it "
                          "(FILE with .json)")
@@ -274,8 +292,10 @@ def parse_args(argv=None):
         ap.error("sizes, --steps, --rounds and --hf-threads must be positive, --check-tokens >= 2")
     for spec in a.kv_extra:
         parts = spec.split(":")
-        if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) < 1:
-            ap.error(f"--kv-extra {spec!r}: expected POLICY:BUDGET:FORMAT, e.g. h2o:512:int4")
+        if (len(parts) not in (3, 4) or not parts[1].isdigit() or int(parts[1]) < 1
+                or parts[3:] not in ([], [ALL_SLOTS])):
+            ap.error(f"--kv-extra {spec!r}: expected POLICY:BUDGET:FORMAT or "
+                     f"POLICY:BUDGET:FORMAT:{ALL_SLOTS}, e.g. h2o:512:int4")
     return a
 
 
@@ -337,11 +357,12 @@ def main(argv=None):
     # ---- kvjax: prefill and per-context decode, compiled before timing. "kvjax" is the full
     # f32 cache HF is compared with; each --kv-extra variant (policy, budget, format) is timed
     # in the same rounds for decode only.
-    kv_setups = {"kvjax": (full, fmt, 0)}  # (policy, format, least max_len)
+    kv_setups = {"kvjax": (full, fmt, 0, KVCache)}  # (policy, format, least max_len, cache)
     for spec in a.kv_extra:
-        name, budget, form = spec.split(":")
-        kv_setups[f"kvjax {name}/{budget} {form}"] = (get_policy(name, budget=int(budget)),
-                                                      get_format(form), int(budget))
+        name, budget, form, *all_slots = spec.split(":")
+        kv_setups[f"kvjax {name}/{budget} {form}" + " (all slots)" * bool(all_slots)] = (
+            get_policy(name, budget=int(budget)), get_format(form), int(budget),
+            AllSlots if all_slots else KVCache)
 
     def kv_prefill(p):
         lg, _ = prefill(params, [ids[:p].tolist()], kv_cache(p + a.steps), cfg)
@@ -356,9 +377,9 @@ def main(argv=None):
     for p in a.prompt:
         kv_prefill(p)
     for n in a.contexts:
-        for v, (pol, form, least) in kv_setups.items():
+        for v, (pol, form, least, cache_cls) in kv_setups.items():
             lg, c = prefill(params, [ids[:n].tolist()],
-                            KVCache.init(cfg, 1, pol, form, max(n + a.steps, least)), cfg)
+                            cache_cls.init(cfg, 1, pol, form, max(n + a.steps, least)), cfg)
             kv_base[v, n] = (sample(lg, key), c)
         with torch.inference_mode():
             out = model(input_ids=torch.from_numpy(ids[None, :n]), use_cache=True,

@@ -30,6 +30,7 @@ impl="pallas")` builds a `kvjax.paged.PagedCache` (a page pool with block tables
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, ClassVar
 
@@ -44,6 +45,7 @@ from kvjax.formats import scan_layer_blocks, scatter_slots
 from kvjax.programs import stored_jit
 
 LAYOUTS = ("dense", "paged")
+MIN_PREFIX = 128  # fewest slots `KVCache.attend` bounds a read to (fewer: a switch for nothing)
 
 
 @jax.tree_util.register_dataclass
@@ -57,6 +59,7 @@ class LayerView:
     stats: Any  # this policy's per-layer stats pytree, leaves [B, K, C, ...]
     length: jax.Array  # [B] tokens seen before this chunk
     owner: Any = None  # head pool only ([B, 1, P] kv head of each pool slot); else None
+    layer: Any = None  # [] int32 the layer's index in the cache's stores (`KVCache.attend`)
     # static: every slot is known to be empty (a prompt's first chunk): attention skips them
     empty: bool = dataclasses.field(default=False, metadata={"static": True})
 
@@ -126,6 +129,8 @@ class KVCache:
     nonfinite: jax.Array
     fmt: Any = struct.field(pytree_node=False)
     policy: Any = struct.field(pytree_node=False)
+    # `attend` reads a layer only up to its occupied slots (a benchmark's subclass turns it off)
+    bounded_reads: ClassVar[bool] = True
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None):
@@ -250,6 +255,7 @@ class KVCache:
                 stats=jax.tree.map(lambda s: s[layer], self.stats),
                 length=self.length,
                 empty=empty,
+                layer=layer,
             )
 
     def write(self, layer, slots, k_new, v_new, pos_new, stats) -> KVCache:
@@ -312,18 +318,53 @@ class KVCache:
         q_pos, key_pos = self.policy.rope_positions(view, pos_new)  # [B, T], [B, K, C] | None
         return rope(x, q_pos[:, :, None], rope_theta), key_pos
 
+    def prefixes(self) -> tuple[int, ...]:
+        """Slot counts `attend` may bound a layer's read to, ascending, ending with C: about
+        C/8, C/4 and C/2, each rounded up to a prefix the format reads (`fmt.fit`: whole key
+        groups, at least the residual), those of at least `MIN_PREFIX` slots. C: the slots of
+        a layer's stores (a head pool's whole pool)."""
+        C = self.pos.shape[-1]
+        out = {self.fmt.fit(-(-C // 2**j)) for j in (3, 2, 1)}
+        return tuple(sorted(n for n in out if MIN_PREFIX <= n < C)) + (C,)
+
     def attend(self, view: LayerView, q, k, v, pos_new, rope_theta: float):
         """Reference attention of a chunk (q [B, T, H, E], k, v [B, T, K, E], unrotated) over the
-        layer's slots and itself: out [B, T, H, E], probs [B, K, T, C + T]."""
+        layer's slots and itself: out [B, T, H, E], probs [B, K, T, C + T].
+
+        Bounded by the occupied slots: slots past the last one that holds a token are empty in
+        every row and head, and attention gives them exactly zero weight. So the layer's keys
+        and values are read (dequantized) and scored only up to the smallest of `prefixes()`
+        that covers them, picked at run time (`lax.switch`: no recompile); their probabilities
+        are zero-padded back to C for the policy. A cache with room beyond its tokens (a budget
+        above the context, a generation's max_len) then costs what its tokens do
+        (docs/benchmarks.md, "Attention bounded by the occupied slots"). The policy still reads
+        the full view (its positions and stats)."""
         q, _ = self._rotated(view, q, pos_new, rope_theta)
         k, key_pos = self._rotated(view, k, pos_new, rope_theta)
-        if key_pos is not None:  # positions within the cache: < C, a folded cos/sin table
-            table = rope_table(view.pos.shape[-1], view.k.shape[-1], rope_theta)
-            k_cached = rope(view.k, key_pos, rope_theta, table)
-        else:
-            k_cached = view.k
-        return attention(q, k, v, pos_new, k_cached, view.v, view.pos, view.empty,
-                         queries_lead=key_pos is None and self.fmt.keys_by_channel)
+        C, E = view.pos.shape[-1], q.shape[-1]
+
+        def over(n, kc, vc):  # attention over slots 0..n-1 (kc, vc [B, K, n, E])
+            if key_pos is not None:  # positions within the cache: < C, a folded cos/sin table
+                kc = rope(kc, key_pos[..., :n], rope_theta, rope_table(C, E, rope_theta))
+            out, probs = attention(q, k, v, pos_new, kc, vc, view.pos[..., :n], view.empty,
+                                   queries_lead=key_pos is None and self.fmt.keys_by_channel)
+            if n < C:  # [B, K, T, n + T] -> [B, K, T, C + T]: the empty slots' zeros
+                probs = jnp.concatenate([probs[..., :n], jnp.zeros(
+                    probs.shape[:-1] + (C - n,), probs.dtype), probs[..., n:]], axis=-1)
+            return out, probs
+
+        bound = self.bounded_reads and view.layer is not None and not view.empty
+        sizes = self.prefixes() if bound else ()
+        if len(sizes) < 2:
+            return over(C, view.k, view.v)
+
+        def bounded(n):
+            return over(n, self.fmt.read(self.k, view.layer, "k", n),
+                        self.fmt.read(self.v, view.layer, "v", n))
+
+        held = jnp.max(jnp.where(view.pos >= 0, jnp.arange(1, C + 1, dtype=jnp.int32), 0))
+        which = jnp.sum(held > jnp.asarray(sizes[:-1], jnp.int32))  # smallest prefix >= held
+        return jax.lax.switch(which, [functools.partial(bounded, n) for n in sizes])
 
     def update(self, view: LayerView, k, v, pos_new, probs, rope_theta: float):
         """The policy's placement of the chunk: (slots, keys to store, values, stats)."""

@@ -12,7 +12,10 @@ A format is a frozen, hashable dataclass (a static jit argument) with three pure
   of n consecutive layers: `layer` [n] their indices, slots [n, B, K, T], x [n, B, K, T, E]);
   1 by default (`_LayerBatched` formats take more; the cache writes a chunk's layers block by
   block after the layer scan);
-* `read(store, layer, kind)`: the dequantized slots of one layer, [B, K, C, E] float32.
+* `read(store, layer, kind, n=None)`: the dequantized slots of one layer, [B, K, C, E] float32;
+  with a static n, only the first n slots ([B, K, n, E], bit-equal to the full read's), for
+  any n with `fit(n) == n`: attention reads a layer only up to its occupied slots
+  (`kvjax.cache.KVCache.attend`).
 
 Formats: f32, bf16, fp8 (e4m3, per-token scale), int8 (symmetric, per token), int4 and int2
 (asymmetric, groupwise, packed into uint8). Values, and keys with key_mode="token", are
@@ -226,12 +229,15 @@ def _check_shape(shape) -> tuple[int, int, int, int, int]:
 WRITE_BLOCK_BYTES = 4 << 20  # a block write's float32 working set (`_LayerBatched`)
 
 
-def _layer(a, layer):
+def _layer(a, layer, n=None, axis=-2):
     """One layer's slice of a stacked store leaf (traced index), or a block's: `layer` [n]
-    consecutive indices."""
+    consecutive indices. n (static, `read`'s prefix): only the first n entries along `axis`
+    (the slots, or the slot groups of per-channel key params)."""
     if jnp.ndim(layer):
-        return jax.lax.dynamic_slice_in_dim(a, layer[0], layer.shape[0], 0)
-    return jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+        out = jax.lax.dynamic_slice_in_dim(a, layer[0], layer.shape[0], 0)
+    else:
+        out = jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+    return out if n is None else jax.lax.slice_in_dim(out, 0, n, axis=out.ndim + axis)
 
 
 def scan_layer_blocks(f, carry, xs, n: int):
@@ -431,7 +437,11 @@ class KVFormat:
         """Layers one `write` takes at once (see the module docstring): here 1."""
         return 1
 
-    def read(self, store: dict, layer, kind: str):
+    def read(self, store: dict, layer, kind: str, n: int | None = None):
+        """One layer's stored keys or values as float32 [B, K, C, E]. n (static): only the
+        first n slots, [B, K, n, E], as the full read gives them, with no work on the rest
+        (attention bounded by the occupied slots, `KVCache.attend`); n must satisfy
+        `fit(n) == n`."""
         raise NotImplementedError
 
     def options(self) -> dict:
@@ -516,9 +526,10 @@ class _FloatFormat(_LayerBatched):
         q = jnp.swapaxes(q, -1, -2) if self._by_channel(kind) else q
         return q if self.dtype == jnp.float32 else bf16_to_f32(q)
 
-    def read(self, store, layer, kind):
+    def read(self, store, layer, kind, n=None):
         with jax.named_scope("kv_format_read"):
-            return self._decoded(_layer(store["q"], layer), kind)  # [B, K, C, E]
+            q = _layer(store["q"], layer, n, -1 if self._by_channel(kind) else -2)
+            return self._decoded(q, kind)  # [B, K, C, E]
 
     def values(self, store, kind):
         """Every layer's stored values, [L, B, K, C, E] float32 (the store is exact)."""
@@ -582,9 +593,9 @@ class _ScaledFormat(_LayerBatched):
             d = self._encode(x)  # q [B, K, T, E], scale [B, K, T, 1]
             return {n: scatter_slots(store[n], layer, slots, d[n]) for n in ("q", "scale")}
 
-    def read(self, store, layer, kind):
+    def read(self, store, layer, kind, n=None):
         with jax.named_scope("kv_format_read"):
-            return self._decode({n: _layer(store[n], layer) for n in ("q", "scale")})
+            return self._decode({f: _layer(store[f], layer, n) for f in ("q", "scale")})
 
 
 @register
@@ -757,29 +768,30 @@ class _IntFormat(_LayerBatched):
             d = quantize_per_token(x, self.bits, self.group_of(kind))  # [B, K, T, ...]
             return {n: scatter_slots(store[n], layer, slots, d[n]) for n in ("q", "scale", "zero")}
 
-    def read(self, store, layer, kind):
+    def read(self, store, layer, kind, n=None):
         with jax.named_scope("kv_format_read"):
             g = self.group_of(kind)
-            q = unpack_bits(_layer(store["q"], layer), self.bits).astype(jnp.float32)
-            B, K, C, E = q.shape  # q: [B, K, C, E] codes
-            scale = _layer(store["scale"], layer)  # [B, K, C, E/g]
+            q = unpack_bits(_layer(store["q"], layer, n), self.bits).astype(jnp.float32)
+            B, K, C, E = q.shape  # q: [B, K, C, E] codes (C = n for a prefix)
+            scale = _layer(store["scale"], layer, n)  # [B, K, C, E/g]
             tok = (
                 q.reshape(B, K, C, E // g, g) * scale[..., None].astype(jnp.float32)
-                + _layer(store["zero"], layer)[..., None].astype(jnp.float32)
+                + _layer(store["zero"], layer, n)[..., None].astype(jnp.float32)
             ).reshape(B, K, C, E)
             if not self.channel_keys(kind):
                 return tok
             # one fused pass: per-channel params broadcast over their slot group (no repeat),
             # the per-token fallback where the slot's own scale is set, then the residual
-            cs = _layer(store["cscale"], layer)[:, :, :, None, :].astype(jnp.float32)
-            cz = _layer(store["czero"], layer)[:, :, :, None, :].astype(jnp.float32)
+            ng = None if n is None else n // g  # a prefix of whole slot groups (`fit`)
+            cs = _layer(store["cscale"], layer, ng)[:, :, :, None, :].astype(jnp.float32)
+            cz = _layer(store["czero"], layer, ng)[:, :, :, None, :].astype(jnp.float32)
             chan = (q.reshape(B, K, C // g, g, E) * cs + cz).reshape(B, K, C, E)
             out = jnp.where(scale[..., :1] > 0, tok, chan)  # [B, K, C, E]
             res = _layer(store["res"], layer)  # [B, K, S, g, E]
             S = res.shape[2]
             rs = _residual_slots(
                 _layer(store["res_group"], layer), _layer(store["res_mask"], layer), C
-            )  # [B, K, S*g]
+            )  # [B, K, S*g]; slots past a prefix are dropped below
             b = jnp.arange(B)[:, None, None]
             h = jnp.arange(K)[None, :, None]
             return out.at[b, h, rs].set(res.reshape(B, K, S * g, E), mode="drop")
@@ -1102,21 +1114,21 @@ class Mixed(KVFormat):
         kh = self.keep_heads
         return K, kh, tuple(h for h in range(K) if h not in kh)
 
-    def read(self, store, layer, kind):
+    def read(self, store, layer, kind, n=None):
         with jax.named_scope("kv_format_read"):
             kept, row = self._route(store, layer)
             K, kh, qh = self._heads(store)
 
             def read_layers():
-                return self.keep.read(store["layers"], row, kind)  # [B, K, C, E]
+                return self.keep.read(store["layers"], row, kind, n)  # [B, K, C, E]
 
             def read_rest():
                 parts = {}
                 if "base" in store:
-                    xb = self.base.read(store["base"], row, kind)  # [B, Kq, C, E]
+                    xb = self.base.read(store["base"], row, kind, n)  # [B, Kq, C, E]
                     parts.update({h: xb[:, i:i + 1] for i, h in enumerate(qh)})
                 if "heads" in store:
-                    xh = self.keep.read(store["heads"], row, kind)  # [B, Kk, C, E]
+                    xh = self.keep.read(store["heads"], row, kind, n)  # [B, Kk, C, E]
                     parts.update({h: xh[:, i:i + 1] for i, h in enumerate(kh)})
                 return jnp.concatenate([parts[h] for h in range(K)], axis=1)  # [B, K, C, E]
 
@@ -1244,18 +1256,19 @@ class MixedUnits(KVFormat):
             out.append((jnp.asarray(kept)[layer], jnp.asarray(row)[layer]))
         return out
 
-    def read(self, store, layer, kind):
+    def read(self, store, layer, kind, n=None):
         with jax.named_scope("kv_format_read"):
             parts = []
             for h, (kept, row) in enumerate(self._routes(store, layer)):
                 k, b = store.get(f"keep{h}"), store.get(f"base{h}")
                 if b is None:
-                    parts.append(self.keep.read(k, row, kind))  # [B, 1, C, E]
+                    parts.append(self.keep.read(k, row, kind, n))  # [B, 1, C, E]
                 elif k is None:
-                    parts.append(self.base.read(b, row, kind))
+                    parts.append(self.base.read(b, row, kind, n))
                 else:
-                    parts.append(jax.lax.cond(kept, lambda k=k, r=row: self.keep.read(k, r, kind),
-                                              lambda b=b, r=row: self.base.read(b, r, kind)))
+                    parts.append(jax.lax.cond(
+                        kept, lambda k=k, r=row: self.keep.read(k, r, kind, n),
+                        lambda b=b, r=row: self.base.read(b, r, kind, n)))
             return jnp.concatenate(parts, axis=1)  # [B, K, C, E]
 
     def write(self, store, layer, slots, x, kind):

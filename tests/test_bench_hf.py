@@ -92,10 +92,12 @@ def test_flags():
     assert (a.prompt, a.contexts, a.rounds, a.hf_threads) == ([512, 2048], [128, 512, 1024], 5,
                                                               None)
     assert a.kv_extra == ["h2o:512:int4"] and bench_hf.json_path("t/hf.md") == "t/hf.json"
-    a = bench_hf.parse_args(["--contexts", "64", "--hf-threads", "2"])
-    assert a.contexts == [64] and a.hf_threads == [2]
+    a = bench_hf.parse_args(["--contexts", "64", "--hf-threads", "2", "--kv-extra",
+                             "h2o:512:int4", "h2o:512:int4:all-slots"])
+    assert a.contexts == [64] and a.hf_threads == [2] and len(a.kv_extra) == 2
     for bad in (["--steps", "0"], ["--contexts", "0"], ["--hf-threads", "0"], ["--prompt", "0"],
-                ["--kv-extra", "h2o:x:int4"], ["--kv-extra", "h2o"]):
+                ["--kv-extra", "h2o:x:int4"], ["--kv-extra", "h2o"],
+                ["--kv-extra", "h2o:512:int4:all"]):
         with pytest.raises(SystemExit):
             bench_hf.parse_args(bad)
 

@@ -146,3 +146,118 @@ def test_store_layers_in_blocks_equals_a_store_per_layer(policy, fmt, kw, monkey
         for a, b in zip(jax.tree.leaves(every), jax.tree.leaves(other), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(every[1].pos.max()) == 39  # the cache holds the last token
+
+
+PREFIX_FORMATS = [("f32", {}), ("bf16", {}), ("fp8", {}), ("int8", {}), ("int4", {"group": 8}),
+                  ("int4", {"group": 8, "key_mode": "token"}), ("int2", {"group": 8, "residual": 16}),
+                  ("int4", {"group": 8, "keep_layers": (1,)}),
+                  ("int4", {"group": 8, "keep_units": ((0, 1),)})]
+
+
+@pytest.mark.parametrize("name,opts", PREFIX_FORMATS)
+def test_a_prefix_read_is_the_full_read_cut(name, opts):
+    """`fmt.read(..., n)` (what attention bounded by the occupied slots reads) equals the full
+    read's first n slots bit for bit, for every format, after writes in a scattered slot order
+    that seal, flush and keep key groups in an int4/int2 residual."""
+    fmt = get_format(name, **opts)
+    L, B, K, C, E = 2, 2, 2, 32, 8
+    rng = np.random.default_rng(0)
+    order = np.stack([np.stack([rng.permutation(C) for _ in range(K)]) for _ in range(B)])
+    for kind in ("k", "v"):
+        store = fmt.init((L, B, K, C, E), kind)
+        for t0 in range(0, 27, 3):  # 27 of the 32 slots, 3 at a time
+            slots = jnp.asarray(order[:, :, t0:t0 + 3], jnp.int32)  # [B, K, 3]
+            for layer in range(L):
+                x = jnp.asarray(rng.normal(size=(B, K, 3, E)) * 3, jnp.float32)
+                store = fmt.write(store, jnp.int32(layer), slots, x, kind)
+        sizes = [n for n in (8, 16, 24) if fmt.fit(n) == n]
+        assert sizes
+        for layer in range(L):
+            full = np.asarray(fmt.read(store, jnp.int32(layer), kind))  # [B, K, C, E]
+            for n in sizes:
+                part = fmt.read(store, jnp.int32(layer), kind, n)
+                np.testing.assert_array_equal(np.asarray(part), full[:, :, :n])
+
+
+def test_prefixes_a_read_may_be_bounded_to():
+    """About C/8, C/4, C/2, rounded up to what the format reads (whole key groups, at least
+    the residual), of at least MIN_PREFIX slots, then C."""
+    from kvjax import cache as cache_mod
+
+    cfg = tiny_config(head_dim=64)
+
+    def sizes(fmt, C, policy="full"):
+        pol = get_policy(policy) if policy == "full" else get_policy(policy, budget=C)
+        return KVCache.abstract(cfg, 1, pol, fmt, C).prefixes()
+
+    assert cache_mod.MIN_PREFIX == 128
+    assert sizes(get_format("f32"), 512) == (128, 256, 512)
+    assert sizes(get_format("f32"), 1032) == (129, 258, 516, 1032)
+    assert sizes(get_format("f32"), 136) == (136,)  # a tight cache: no bound, no switch
+    assert sizes(get_format("int4"), 512, "h2o") == (128, 256, 512)
+    assert sizes(get_format("int4", residual=256), 1024) == (256, 512, 1024)  # >= residual
+    assert sizes(get_format("f32"), 1000) == (250, 500, 1000)  # f32 reads any prefix: 125
+    assert sizes(get_format("int4"), 576) == (128, 192, 320, 576)  # whole key groups of 64
+
+
+def _conds(jaxpr, n_branches: int) -> int:
+    """Conditionals with n_branches branches anywhere in a (closed) jaxpr."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == n_branches:
+            count += 1
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    count += _conds(getattr(inner, "jaxpr", inner), n_branches)
+    return count
+
+
+@pytest.mark.parametrize("policy,fmt,kw", [
+    ("h2o", "int4", {"budget": 64, "window": 4}), ("streaming", "f32", {"budget": 64}),
+    ("full", "int8", {}), ("tova", "bf16", {"budget": 64}), ("adakv", "fp8", {"budget": 32}),
+    ("pyramid", "f32", {"budget": 64, "taper": 2.0}), ("snapkv", "int4", {"budget": 40})])
+def test_attention_bounded_by_the_occupied_slots_equals_attention_over_all(policy, fmt, kw,
+                                                                           monkeypatch):
+    """`KVCache.attend` reads and scores a layer only up to the smallest of `prefixes()` that
+    covers its occupied slots. Through a prompt, decode steps that fill the cache and evicting
+    ones, the logits and caches equal those of attention over every slot (`bounded_reads`
+    off) to float rounding; the bounded program picks its prefix with a switch over the
+    prefixes (a small MIN_PREFIX so this tiny cache has them). A head pool (adakv) bounds its
+    whole pool, layer groups (pyramid) each group's cache."""
+    from kvjax import cache as cache_mod
+    from kvjax.generate import prefill
+    from kvjax.model import forward as fwd
+
+    monkeypatch.setattr(cache_mod, "MIN_PREFIX", 8)
+    cfg = tiny_config(n_layers=4)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    opts = {"group": 8} if fmt == "int4" else {}
+    pol = get_policy(policy, **kw)
+    toks = jax.random.randint(jax.random.PRNGKey(1), (2, 90), 0, cfg.vocab_size)
+
+    def run():
+        step = jax.jit(lambda p, t, c: fwd(p, t, c, cfg))  # traced anew under each setting
+        cache = KVCache.init(cfg, 2, pol, get_format(fmt, **opts), 128)
+        logits, cache = prefill(params, [toks[0, :12].tolist(), toks[1, :7].tolist()], cache,
+                                cfg)
+        outs = [logits]
+        cache = cache.compress(extra=64)  # compress mode: then it grows; else the same cache
+        for t0, t1 in [(12, 17), *((t, t + 1) for t in range(17, 90))]:  # a chunk, then steps
+            logits, cache = step(params, toks[:, t0:t1], cache)
+            outs.append(logits)
+        prog = jax.make_jaxpr(lambda p, t, c: fwd(p, t, c, cfg))(params, toks[:, :1], cache)
+        return outs, cache, prog
+
+    bounded, cache, prog = run()
+    n_sizes = max(len(seg.prefixes()) for _, _, seg in cache.segments())
+    assert n_sizes >= 2 and _conds(prog.jaxpr, n_sizes) >= 1
+    monkeypatch.setattr(KVCache, "bounded_reads", False)
+    over_all, cache_all, prog = run()
+    assert _conds(prog.jaxpr, n_sizes) == 0
+    for a, b in zip(jax.tree.leaves((bounded, cache)), jax.tree.leaves((over_all, cache_all)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache.length), np.asarray(cache_all.length))
