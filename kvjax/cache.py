@@ -319,13 +319,13 @@ class KVCache:
         return rope(x, q_pos[:, :, None], rope_theta), key_pos
 
     def prefixes(self) -> tuple[int, ...]:
-        """Slot counts `attend` may bound a layer's read to, ascending, ending with C: C/8 up
-        to C in steps of sqrt(2) (a read covers at most 1.42x the occupied slots, with a
-        branch per step to compile), each rounded up to a prefix the format reads (`fmt.fit`:
-        whole key groups, at least the residual), those of at least `MIN_PREFIX` slots.
-        C: the slots of a layer's stores (a head pool's whole pool)."""
+        """Slot counts `attend` may bound a layer's read to, ascending, ending with C: about
+        C/8, C/4 and C/2, each rounded up to a prefix the format reads (`fmt.fit`: whole key
+        groups, at least the residual), those of at least `MIN_PREFIX` slots. C: the slots of
+        a layer's stores (a head pool's whole pool). Each is a branch to compile: finer steps
+        would read less and compile longer (docs/benchmarks.md)."""
         C = self.pos.shape[-1]
-        out = {self.fmt.fit(math.ceil(C / 2 ** (j / 2))) for j in range(1, 7)}
+        out = {self.fmt.fit(-(-C // 2**j)) for j in (3, 2, 1)}
         return tuple(sorted(n for n in out if MIN_PREFIX <= n < C)) + (C,)
 
     def attend(self, view: LayerView, q, k, v, pos_new, rope_theta: float):
