@@ -219,3 +219,22 @@ def test_floors_in_place_layers_decode_the_same_and_copy_no_layer():
         tok = jnp.argmax(lg_ref, -1).astype(jnp.int32)
     assert isinstance(ours, bench_floors.InPlaceLayers) and len(ours.k) == cfg.n_layers
     jax.tree.map(np.testing.assert_array_equal, ours.stacked(), cache)
+
+
+def test_bench_bounded_specs_and_paired_summary():
+    """bench_bounded: a bad spec, policy or format stops before the model loads; the summary
+    pairs each round's bounded and all-slots times."""
+    from experiments import bench_bounded
+
+    assert bench_bounded.parse_spec("128:h2o:int4:512") == (128, "h2o", "int4", 512)
+    for bad in ("128:h2o:int4", "x:h2o:int4:512", "0:h2o:int4:512"):
+        with pytest.raises(ValueError, match="--specs"):
+            bench_bounded.parse_spec(bad)
+    for bad in (["--specs", "128:nope:int4:512"], ["--specs", "128:h2o:int5:512"],
+                ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            bench_bounded.main(bad)
+    rows = bench_bounded.summarize({("s", "bounded"): [1.0, 2.0, 3.0],
+                                    ("s", "all slots"): [2.0, 2.5, 2.0]})
+    assert rows == [{"spec": "s", "bounded_s": 2.0, "all_slots_s": 2.0, "paired_diff_s": -0.5,
+                     "bounded_faster": 2, "rounds": 3}]
