@@ -68,6 +68,19 @@ def worker() -> dict:
     t2, c2 = generate(sparams, cfg, prompts, 8, h2o, fmt, max_len=128, layout=layout)
     compare("h2o_int4", c1, c2, h2o, fmt, tokens_equal=bool(np.array_equal(t1, t2)),
             decode_compiles=decode_step._cache_size())
+
+    # a cache with room beyond its tokens: attention reads 128 of 512 slots (`prefixes`), the
+    # prefix picked from positions sharded over rows and kv heads
+    h2o = get_policy("h2o", budget=512)
+    t1, c1 = generate(params, cfg, prompts, 8, h2o, fmt, max_len=512)
+    t2, c2 = generate(sparams, cfg, prompts, 8, h2o, fmt, max_len=512, layout=layout)
+    t3, _ = generate(params, cfg, prompts, 8, get_policy("h2o", budget=128), fmt,
+                     max_len=128)  # 128 slots: no bound (nothing evicted in either)
+    out["bounded"] = {"prefixes": list(c1.prefixes()), "tokens_equal": bool(
+        np.array_equal(t1, t2)), "unbounded_tokens_equal": bool(np.array_equal(t1, t3)),
+        "cache_maxdiff": max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(
+            b, np.float32)))) for a, b in zip(jax.tree.leaves((c1.k, c1.v, c1.pos, c1.stats)),
+                                                jax.tree.leaves((c2.k, c2.v, c2.pos, c2.stats))))}
     return out
 
 
@@ -107,6 +120,14 @@ def test_per_device_bytes(result, case):
     want = r["kv_total"] // 4 + r["length_bytes"] // 2 + r["flag_bytes"]
     assert r["nbytes_device"] == want == r["abstract_device"]
     assert r["nbytes"] > r["nbytes_device"]
+
+
+def test_sharded_bounded_reads_equal_one_device(result):
+    """Attention bounded by the occupied slots (a 512-slot cache holding < 128 tokens) decodes
+    the same tokens and cache sharded as on one device, and as a cache with no room to bound."""
+    r = result["bounded"]
+    assert r["prefixes"] == [128, 256, 512]
+    assert r["tokens_equal"] and r["unbounded_tokens_equal"] and r["cache_maxdiff"] < 1e-5
 
 
 def test_decode_compiles_once(result):
