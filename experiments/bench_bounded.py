@@ -7,10 +7,10 @@
 `KVCache.attend` reads and scores a layer only up to the smallest of `cache.prefixes()` that
 covers its occupied slots; `AllSlots` (experiments/bench_hf.py) reads every slot. Each spec
 N:POLICY:FORMAT:CAPACITY prefills N tokens of the default text into both caches (the real
-model, f32 weights, batch 1); every round times `--steps` decode steps of each variant of each
-spec, rotating the order, so the two variants of a spec run minutes apart at most. Per spec:
-both medians, the median of the per-round differences (bounded - all slots) and in how many
-rounds the bounded step was faster. kvjax only; `bench_hf --kv-extra ...:all-slots` puts the
+model, f32 weights, batch 1); every round times `--steps` greedy decode steps of each variant
+of each spec (bench_hf's `time_decode`), rotating the order, so the two variants of a spec run
+minutes apart at most. Per spec: both medians, the median of the per-round differences
+(bounded - all slots) and in how many rounds the bounded step was faster. kvjax only; `bench_hf --kv-extra ...:all-slots` puts the
 same variants beside HF, with fewer rounds than a ~1 ms difference needs on a noisy box.
 `--out FILE` writes the table and, beside it, the figures as JSON.
 """
@@ -21,17 +21,15 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_hf import AllSlots, timed_rounds
+from experiments.bench_hf import AllSlots, time_decode, timed_rounds
 from kvjax.cache import KVCache
 from kvjax.experiment import git_info
 from kvjax.formats import get_format
-from kvjax.generate import decode_step, prefill
+from kvjax.generate import prefill, sample
 from kvjax.loading import load_model
 from kvjax.model import to_device
 from kvjax.policies import get_policy
@@ -91,23 +89,16 @@ def main(argv=None):
     cfg, np_params, tokenizer = load_model()
     params = to_device(np_params)
     ids = encode_prefix(tokenizer, default_text(), max(n for n, *_ in specs.values()))
-    base = {}
+    base, rng = {}, jax.random.PRNGKey(0)
     for spec, (n, policy, fmt, cap) in specs.items():
         pol = get_policy(policy) if policy == "full" else get_policy(policy, budget=cap)
         for name, cls in VARIANTS.items():
             logits, cache = prefill(params, [ids[:n]], cls.init(cfg, 1, pol, get_format(fmt),
                                                                cap), cfg)
-            base[spec, name] = (jnp.argmax(logits, -1).astype(jnp.int32), cache)
+            base[spec, name] = (sample(logits, rng), cache)
 
-    def timed(key, steps):
-        tok, cache = base[key]
-        cache = jax.tree.map(jnp.copy, cache)  # decode_step donates its cache
-        jax.block_until_ready(cache)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            logits, cache = decode_step(params, tok, cache, cfg)
-        logits.block_until_ready()
-        return (time.perf_counter() - t0) / steps
+    def timed(key, steps):  # seconds per greedy decode step
+        return time_decode(params, cfg, *base[key], steps, rng)[0]
 
     keys = list(base)
     for key in keys:  # compile, then one warm call each

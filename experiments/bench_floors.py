@@ -49,12 +49,13 @@ from experiments.bench_hf import (
     build_hf_model,
     cache_kwarg,
     json_path,
+    time_decode,
     timed_rounds,
     write_json,
 )
 from kvjax.cache import KVCache, LayerView
 from kvjax.formats import get_format
-from kvjax.generate import decode_step, prefill, sample
+from kvjax.generate import prefill, sample
 from kvjax.loading import load_model
 from kvjax.model import to_device
 from kvjax.policies import get_policy
@@ -234,15 +235,7 @@ def main(argv=None):
         hf_base[n] = (out.logits[:, -1:].argmax(-1), _cache_of(out))
 
     def kv_decode(n, kind=KVCache):
-        tok, base = kv_base[n, kind]
-        c = jax.tree.map(jnp.copy, base)  # decode_step donates its cache
-        jax.block_until_ready(c)
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            lg, c = decode_step(params, tok, c, cfg)
-            tok = sample(lg, key)
-        tok.block_until_ready()
-        return (time.perf_counter() - t0) / a.steps
+        return time_decode(params, cfg, *kv_base[n, kind], a.steps, key)[0]
 
     def hf_decode(n):
         tok, cache = hf_base[n]

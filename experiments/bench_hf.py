@@ -388,18 +388,7 @@ def main(argv=None):
 
     def kv_decode(v, n):
         """Seconds per greedy token from n cached tokens, and the tokens."""
-        tok, base = kv_base[v, n]
-        c = jax.tree.map(jnp.copy, base)  # decode_step donates its cache
-        jax.block_until_ready(c)
-        toks = []
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            lg, c = decode_step(params, tok, c, cfg)
-            tok = sample(lg, key)
-            toks.append(tok)
-        tok.block_until_ready()
-        dt = (time.perf_counter() - t0) / a.steps
-        return dt, [int(x[0]) for x in toks]
+        return time_decode(params, cfg, *kv_base[v, n], a.steps, key)
 
     def hf_decode(n):
         tok, cache = hf_base[n]
@@ -509,6 +498,22 @@ def main(argv=None):
             "discarded": discarded, "other_cores": others, "steps": a.steps,
             "variants": variants, "rows": records(measures, variants, hf_vars, med)})
     return rows
+
+
+def time_decode(params, cfg, tok, base, steps: int, key) -> tuple[float, list[int]]:
+    """kvjax's seconds per greedy token over `steps` decode steps (model step + `sample`) from
+    `tok` and a copy of the cache `base` (`decode_step` donates its cache), and the tokens."""
+    c = jax.tree.map(jnp.copy, base)
+    jax.block_until_ready(c)
+    toks = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        lg, c = decode_step(params, tok, c, cfg)
+        tok = sample(lg, key)
+        toks.append(tok)
+    tok.block_until_ready()
+    dt = (time.perf_counter() - t0) / steps
+    return dt, [int(x[0]) for x in toks]
 
 
 def records(measures, variants, hf_vars, med) -> list[dict]:

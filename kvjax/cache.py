@@ -359,7 +359,7 @@ class KVCache:
         if len(sizes) < 2:
             return over(C, view.k, view.v)
 
-        def bounded(n):
+        def bounded(n):  # view.k and view.v go unread: XLA drops their full-length read
             return over(n, self.fmt.read(self.k, view.layer, "k", n),
                         self.fmt.read(self.v, view.layer, "v", n))
 
