@@ -785,37 +785,61 @@ class _IntFormat(_LayerBatched):
             ng = None if n is None else n // g  # a prefix of whole slot groups (`fit`)
             cs = _layer(store["cscale"], layer, ng)[:, :, :, None, :].astype(jnp.float32)
             cz = _layer(store["czero"], layer, ng)[:, :, :, None, :].astype(jnp.float32)
-            chan = (q.reshape(B, K, C // g, g, E) * cs + cz).reshape(B, K, C, E)
-            out = jnp.where(scale[..., :1] > 0, tok, chan)  # [B, K, C, E]
+            chan = q.reshape(B, K, C // g, g, E) * cs + cz  # [B, K, C/g, g, E]
+            tok = tok.reshape(chan.shape)
+            out = jnp.where(scale.reshape(B, K, C // g, g, -1)[..., :1] > 0, tok, chan)
+            # the residual's keys over their slots: a select per open group, not a scatter,
+            # so the whole read stays one elementwise fusion
             res = _layer(store["res"], layer)  # [B, K, S, g, E]
-            S = res.shape[2]
-            rs = _residual_slots(
-                _layer(store["res_group"], layer), _layer(store["res_mask"], layer), C
-            )  # [B, K, S*g]; slots past a prefix are dropped below
-            b = jnp.arange(B)[:, None, None]
-            h = jnp.arange(K)[None, :, None]
-            return out.at[b, h, rs].set(res.reshape(B, K, S * g, E), mode="drop")
+            res_group = _layer(store["res_group"], layer)  # [B, K, S]
+            res_mask = _layer(store["res_mask"], layer)  # [B, K, S, g]
+            groups = jnp.arange(C // g, dtype=res_group.dtype)  # [C/g]
+            for j in range(res.shape[2]):
+                at = (groups == res_group[:, :, j, None])[..., None] & res_mask[:, :, j, None]
+                out = jnp.where(at[..., None], res[:, :, j, None], out)  # [B, K, C/g, g, E]
+            return out.reshape(B, K, C, E)
 
     def _write_channel(self, store, layer, slots, x):
-        """Per-channel keys: plan every (row, head) with `_channel_plan`, then scatter."""
+        """Per-channel keys: plan every (row, head) with `_channel_book`; only when an entry
+        leaves the residual, code it (`_channel_codes`) and scatter the codes (`lax.cond`: most
+        decode steps of a policy that fills slots in order code nothing). With one open group
+        the kept residual rows stay where they are, so only the chunk's rows are written
+        into it; with more, entries move (newest first) and the residual is rebuilt."""
         C = store["q"].shape[-2]
-        plan = _channel_plan(
-            _layer(store["res"], layer),  # [B, K, S, g, E]
+        S, g, E = store["res"].shape[-3:]
+        x = x.astype(jnp.float32)  # [B, K, T, E]
+        book = _channel_book(
             _layer(store["res_group"], layer),  # [B, K, S]
             _layer(store["res_mask"], layer),  # [B, K, S, g]
-            _layer(store["cscale"], layer),  # [B, K, NG, E]
-            _layer(store["czero"], layer),  # [B, K, NG, E]
             slots,  # [B, K, T]
-            x.astype(jnp.float32),  # [B, K, T, E]
-            bits=self.bits, C=C,
+            C=C,
         )
+
+        def residual(st):  # the new residual from the old one (st["res"])
+            if S > 1:  # entries move: rebuild
+                return _set_layer(st["res"], _channel_residual(
+                    book, _layer(st["res"], layer), x, C), layer)
+            # one open group: kept rows stay in place; the chunk's rows go to (entry, slot % g)
+            new = jnp.where(book["entry"][..., g:] == 0, book["slot"][..., g:] % g, g)  # [B,K,T]
+            flat = st["res"].reshape(st["res"].shape[:3] + (g, E))  # [L, B, K, g, E]
+            return scatter_slots(flat, layer, new, x).reshape(st["res"].shape)
+
+        def coded(st):
+            rows = _channel_codes(book, _layer(st["res"], layer), x, _layer(st["cscale"], layer),
+                                  _layer(st["czero"], layer), bits=self.bits, C=C)
+            out = dict(st)
+            for n in ("q", "scale", "zero"):
+                out[n] = scatter_slots(st[n], layer, rows["dest"], rows[n])
+            for n in ("cscale", "czero"):  # group NG (not sealed now) is dropped
+                out[n] = scatter_slots(st[n], layer, rows["meta_dest"], rows[n])
+            return {**out, "res": residual(st)}
+
         out = dict(store)
-        for n in ("q", "scale", "zero"):
-            out[n] = scatter_slots(store[n], layer, plan["dest"], plan[n])
-        for n in ("cscale", "czero"):  # group NG (not sealed now) is dropped
-            out[n] = scatter_slots(store[n], layer, plan["meta_dest"], plan[n])
-        for n in ("res", "res_group", "res_mask"):
-            out[n] = _set_layer(store[n], plan[n], layer)
+        out.update(jax.lax.cond(book["any_coded"], coded, lambda st: {**st, "res": residual(st)},
+                                {n: store[n] for n in ("q", "scale", "zero", "cscale", "czero",
+                                                       "res")}))
+        out["res_group"] = _set_layer(store["res_group"], book["keep"], layer)
+        out["res_mask"] = _set_layer(store["res_mask"], book["res_mask"], layer)
         return out
 
 
@@ -827,44 +851,37 @@ def _residual_slots(res_group, res_mask, C: int):
     return s.reshape(*s.shape[:-2], -1)
 
 
-def _channel_plan(res, res_group, res_mask, cs, cz, slots, x, *, bits: int, C: int):
-    """A per-channel key write of every (row, kv head) at once; see `_IntFormat` for the rule.
+def _flat(a, k: int):
+    """a with its leading dims before the last k flattened to one [M]."""
+    return a.reshape((-1,) + a.shape[a.ndim - k:])
 
-    Leading dims [...] (e.g. [B, K], or none): res [..., S, g, E], res_group [..., S],
-    res_mask [..., S, g]: the residual (entry 0 newest); cs, cz [..., NG, E]: stored
-    per-channel params; slots [..., T]; x [..., T, E].
-    Returns rows to scatter (dest slot, packed codes, per-token fallback params), per-token
-    rows of group params (meta_dest group, cscale, czero) and the new residual, each with the
-    leading dims. Written over a flat [M] of them with explicit indices rather than under two
-    `vmap`s: the same ops, traced without the batching rules (tracing + lowering the int4
-    decode step ~0.1 s shorter, docs/benchmarks.md). When no entry leaves the residual (most
-    decode steps of a policy that fills slots in order), the codes are not computed at all
-    (`lax.cond`): they were most of a per-channel key write (docs/benchmarks.md).
-    """
+
+def _channel_book(res_group, res_mask, slots, *, C: int):
+    """Which residual entries and chunk rows stay, are sealed or are flushed by a per-channel key
+    write of every (row, kv head) at once; see `_IntFormat` for the rule.
+
+    Leading dims [...] (e.g. [B, K], or none): res_group [..., S], res_mask [..., S, g] (the
+    residual, entry 0 newest); slots [..., T]. The working set is N = S*g + T rows: the
+    residual's, then the chunk's. Returns, with the leading dims: slot [..., N] (C = none),
+    gid (its slot group; NG = none), seal, flush [..., N], entry [..., N] (its residual
+    entry after the write; S = not kept), keep [..., S] (the new res_group), res_mask
+    [..., S, g], and any_coded (whether any row is sealed or flushed; a scalar over all).
+    Written over a flat [M] of the leading dims with explicit indices rather than under two
+    `vmap`s: the same ops, traced without the batching rules (docs/benchmarks.md)."""
     lead = slots.shape[:-1]
-    S, g, E = res.shape[-3:]
+    S, g = res_mask.shape[-2:]
     T = slots.shape[-1]
-    M = math.prod(lead)
     NG = C // g
-    res, res_group = res.reshape(M, S, g, E), res_group.reshape(M, S)
-    res_mask, slots, x = res_mask.reshape(M, S, g), slots.reshape(M, T), x.reshape(M, T, E)
-    cs, cz = cs.reshape(M, NG, E), cz.reshape(M, NG, E)
+    res_group, res_mask, slots = _flat(res_group, 1), _flat(res_mask, 2), _flat(slots, 1)
+    M = slots.shape[0]
     m = jnp.arange(M)[:, None]  # [M, 1]
-
-    def at_group(a, idx):  # a [M, NG+1, ...] at idx [M, N] -> [M, N, ...]
-        return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
-
-    # the working set: the residual's keys, then the new chunk
     new_ok = (slots >= 0) & (slots < C)
     new_slot = jnp.where(new_ok, slots, C)  # [M, T]
     hit = jnp.zeros((M, C + 1), bool).at[m, new_slot].set(True)  # [M, C+1] slots overwritten
     old_slot = _residual_slots(res_group, res_mask, C)  # [M, S*g]
     old_slot = jnp.where(jnp.take_along_axis(hit, old_slot, axis=1), C, old_slot)
     slot = jnp.concatenate([old_slot, new_slot], axis=1)  # [M, N]
-    xs = jnp.concatenate([res.reshape(M, S * g, E), jnp.where(new_ok[..., None], x, 0.0)],
-                         axis=1)  # [M, N, E]
     stamp = jnp.concatenate([jnp.repeat(S - jnp.arange(S), g), S + 1 + jnp.arange(T)])  # [N]
-    N = slot.shape[1]
     valid = slot < C
     gid = jnp.where(valid, slot // g, NG)  # [M, N]; NG collects the invalid rows
     # group states: complete (all g slots written since it entered), recency
@@ -876,74 +893,96 @@ def _channel_plan(res, res_group, res_mask, cs, cz, slots, x, *, bits: int, C: i
     keep = jnp.where(top > 0, keep, -1).astype(jnp.int32)
     match = gid[:, :, None] == keep[:, None, :]  # [M, N, S]
     stay = valid & match.any(-1)
-    done = at_group(complete, gid)  # [M, N]
+    done = jnp.take_along_axis(complete, gid, axis=1)  # [M, N]
     seal = valid & done & ~stay
     flush = valid & ~done & ~stay
-
-    def code():
-        """Codes and params of the entries sealed or flushed now (the expensive part)."""
-        # fresh per-channel params for groups sealed now
-        sealed = seal[..., None]  # [M, N, 1]
-        lo = at_group(jnp.full((M, NG + 1, E), jnp.inf).at[m, gid].min(
-            jnp.where(sealed, xs, jnp.inf)), gid)  # [M, N, E]
-        hi = at_group(jnp.full((M, NG + 1, E), -jnp.inf).at[m, gid].max(
-            jnp.where(sealed, xs, -jnp.inf)), gid)
-        new_cs, new_cz = asym_params(jnp.where(sealed, lo, 0.0), jnp.where(sealed, hi, 0.0), bits)
-        pad = jnp.zeros((M, 1, E), META_DTYPE)
-        ch_cs = jnp.where(sealed, new_cs, at_group(jnp.concatenate([cs, pad], axis=1), gid))
-        ch_cz = jnp.where(sealed, new_cz, at_group(jnp.concatenate([cz, pad], axis=1), gid))
-        # channel codes (fresh params, or the group's existing ones for flushed keys)
-        levels = 2**bits - 1
-        has = jnp.all(ch_cs > 0, axis=-1)  # [M, N] the group has params
-        r = jnp.round(
-            (xs - ch_cz.astype(jnp.float32)) / jnp.where(ch_cs > 0, ch_cs, 1).astype(jnp.float32)
-        )
-        fits = has & jnp.all((r >= 0) & (r <= levels), axis=-1)  # [M, N] no clipping
-        ch_q = jnp.clip(r, 0, levels).astype(jnp.uint8)  # [M, N, E]
-        ch_x = ch_q * ch_cs.astype(jnp.float32) + ch_cz.astype(jnp.float32)  # [M, N, E]
-        ch_err = jnp.max(jnp.abs(ch_x - xs), -1)  # [M, N]
-        # per-token fallback codes
-        tq, ts, tz = _per_token_codes(xs, bits, g)  # [M, N, E], [M, N, E/g], [M, N, E/g]
-        tq_g = tq.reshape(*tq.shape[:-1], E // g, g).astype(jnp.float32)  # [M, N, E/g, g]
-        tok_x = tq_g * ts[..., None].astype(jnp.float32) + tz[..., None].astype(jnp.float32)
-        tok_err = jnp.max(jnp.abs(tok_x.reshape(xs.shape) - xs), -1)  # [M, N]
-        use_ch = seal | (flush & fits & (ch_err <= tok_err))  # [M, N]
-        codes = jnp.where(use_ch[..., None], ch_q, tq)  # [M, N, E]
-        return {
-            "dest": jnp.where(seal | flush, slot, C).astype(jnp.int32),  # [M, N]
-            "q": pack_bits(codes, bits),  # [M, N, E*bits/8]
-            "scale": jnp.where(use_ch[..., None], jnp.zeros_like(ts), ts),  # [M, N, E/g]
-            "zero": jnp.where(use_ch[..., None], jnp.zeros_like(tz), tz),  # [M, N, E/g]
-            "meta_dest": jnp.where(seal, gid, NG).astype(jnp.int32),  # [M, N]
-            "cscale": new_cs,  # [M, N, E]
-            "czero": new_cz,  # [M, N, E]
-        }
-
-    def nothing():
-        """No entry leaves the residual (a decode step into the open group): every row of
-        `code` would be dropped, so none is computed (`code`'s shapes, all rows dropped)."""
-        return {
-            "dest": jnp.full((M, N), C, jnp.int32),
-            "q": jnp.zeros((M, N, E * bits // 8), jnp.uint8),
-            "scale": jnp.zeros((M, N, E // g), META_DTYPE),
-            "zero": jnp.zeros((M, N, E // g), META_DTYPE),
-            "meta_dest": jnp.full((M, N), NG, jnp.int32),
-            "cscale": jnp.zeros((M, N, E), META_DTYPE),
-            "czero": jnp.zeros((M, N, E), META_DTYPE),
-        }
-
-    coded = jax.lax.cond(jnp.any(seal | flush), code, nothing)
-    # the new residual, newest group first
     entry = jnp.where(stay, jnp.argmax(match, axis=-1), S)  # [M, N]; S = not kept
-    new_res = jnp.zeros((M, S, g, E), jnp.float32).at[m, entry, slot % g].set(xs, mode="drop")
     new_mask = jnp.zeros((M, S, g), bool).at[m, entry, slot % g].set(True, mode="drop")
+    out = {"slot": slot, "gid": gid, "seal": seal, "flush": flush, "entry": entry,
+           "keep": keep, "res_mask": new_mask}
+    out = {n: a.reshape(lead + a.shape[1:]) for n, a in out.items()}
+    return {**out, "any_coded": jnp.any(seal | flush)}
+
+
+def _working_rows(book, res, x, C: int):
+    """The working set's keys [M, N, E]: the residual's rows (res [..., S, g, E]), then the
+    chunk's (x [..., T, E], zero where not stored); and the book's row entries flat, [M, N]."""
+    S, g, E = res.shape[-3:]
+    b = {n: _flat(book[n], 1) for n in ("slot", "gid", "seal", "flush", "entry")}
+    x = _flat(x, 2)
+    x = jnp.where((b["slot"][:, S * g:] < C)[..., None], x, 0.0)
+    return jnp.concatenate([_flat(res, 3).reshape(x.shape[0], S * g, E), x], axis=1), b
+
+
+def _channel_codes(book, res, x, cs, cz, *, bits: int, C: int):
+    """Codes and params of the rows `book` (`_channel_book`) seals or flushes: res [..., S, g, E]
+    the residual, x [..., T, E] the chunk, cs, cz [..., NG, E] the stored per-channel params.
+    Returns, with the leading dims: dest [..., N] (slot; C = dropped), packed codes q, per-token
+    fallback params scale, zero [..., N, E/g], meta_dest [..., N] (the group sealed; NG =
+    dropped) and its fresh params cscale, czero [..., N, E]. Most of a per-channel key write's
+    time when it runs (docs/benchmarks.md)."""
+    lead = book["slot"].shape[:-1]
+    xs, b = _working_rows(book, res, x, C)  # [M, N, E]
+    M, _, E = xs.shape
+    g = res.shape[-2]
+    NG = C // g
+    cs, cz = _flat(cs, 2), _flat(cz, 2)  # [M, NG, E]
+    gid, seal, flush, slot = b["gid"], b["seal"], b["flush"], b["slot"]
+    m = jnp.arange(M)[:, None]  # [M, 1]
+
+    def at_group(a, idx):  # a [M, NG+1, ...] at idx [M, N] -> [M, N, ...]
+        return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
+
+    # fresh per-channel params for groups sealed now
+    sealed = seal[..., None]  # [M, N, 1]
+    lo = at_group(jnp.full((M, NG + 1, E), jnp.inf).at[m, gid].min(
+        jnp.where(sealed, xs, jnp.inf)), gid)  # [M, N, E]
+    hi = at_group(jnp.full((M, NG + 1, E), -jnp.inf).at[m, gid].max(
+        jnp.where(sealed, xs, -jnp.inf)), gid)
+    new_cs, new_cz = asym_params(jnp.where(sealed, lo, 0.0), jnp.where(sealed, hi, 0.0), bits)
+    pad = jnp.zeros((M, 1, E), META_DTYPE)
+    ch_cs = jnp.where(sealed, new_cs, at_group(jnp.concatenate([cs, pad], axis=1), gid))
+    ch_cz = jnp.where(sealed, new_cz, at_group(jnp.concatenate([cz, pad], axis=1), gid))
+    # channel codes (fresh params, or the group's existing ones for flushed keys)
+    levels = 2**bits - 1
+    has = jnp.all(ch_cs > 0, axis=-1)  # [M, N] the group has params
+    r = jnp.round(
+        (xs - ch_cz.astype(jnp.float32)) / jnp.where(ch_cs > 0, ch_cs, 1).astype(jnp.float32)
+    )
+    fits = has & jnp.all((r >= 0) & (r <= levels), axis=-1)  # [M, N] no clipping
+    ch_q = jnp.clip(r, 0, levels).astype(jnp.uint8)  # [M, N, E]
+    ch_x = ch_q * ch_cs.astype(jnp.float32) + ch_cz.astype(jnp.float32)  # [M, N, E]
+    ch_err = jnp.max(jnp.abs(ch_x - xs), -1)  # [M, N]
+    # per-token fallback codes
+    tq, ts, tz = _per_token_codes(xs, bits, g)  # [M, N, E], [M, N, E/g], [M, N, E/g]
+    tq_g = tq.reshape(*tq.shape[:-1], E // g, g).astype(jnp.float32)  # [M, N, E/g, g]
+    tok_x = tq_g * ts[..., None].astype(jnp.float32) + tz[..., None].astype(jnp.float32)
+    tok_err = jnp.max(jnp.abs(tok_x.reshape(xs.shape) - xs), -1)  # [M, N]
+    use_ch = seal | (flush & fits & (ch_err <= tok_err))  # [M, N]
+    codes = jnp.where(use_ch[..., None], ch_q, tq)  # [M, N, E]
     out = {
-        **coded,
-        "res": new_res,  # [M, S, g, E]
-        "res_group": keep,  # [M, S]
-        "res_mask": new_mask,  # [M, S, g]
+        "dest": jnp.where(seal | flush, slot, C).astype(jnp.int32),  # [M, N]
+        "q": pack_bits(codes, bits),  # [M, N, E*bits/8]
+        "scale": jnp.where(use_ch[..., None], jnp.zeros_like(ts), ts),  # [M, N, E/g]
+        "zero": jnp.where(use_ch[..., None], jnp.zeros_like(tz), tz),  # [M, N, E/g]
+        "meta_dest": jnp.where(seal, gid, NG).astype(jnp.int32),  # [M, N]
+        "cscale": new_cs,  # [M, N, E]
+        "czero": new_cz,  # [M, N, E]
     }
     return {n: a.reshape(lead + a.shape[1:]) for n, a in out.items()}
+
+
+def _channel_residual(book, res, x, C: int):
+    """The new residual [..., S, g, E] built from the working set (kept rows at their new
+    entries, newest group first; the rest zero)."""
+    lead = book["slot"].shape[:-1]
+    S, g, E = res.shape[-3:]
+    xs, b = _working_rows(book, res, x, C)
+    M = xs.shape[0]
+    m = jnp.arange(M)[:, None]
+    new = jnp.zeros((M, S, g, E), jnp.float32).at[m, b["entry"], b["slot"] % g].set(
+        xs, mode="drop")
+    return new.reshape(lead + (S, g, E))
 
 
 @register

@@ -115,8 +115,11 @@ def test_the_cache_does_not_import_the_policies():
 def test_store_layers_in_blocks_equals_a_store_per_layer(policy, fmt, kw, monkeypatch):
     """`forward` writes a chunk's layers in blocks (`KVCache.store_layers`): every layer at once,
     in blocks of 2 (a small WRITE_BLOCK_BYTES, as a long prompt gets) and one at a time
-    (`store_by_layer`) leave bit-identical caches and logits, through a prompt and evicting
-    decode steps."""
+    (`store_by_layer`) give the same logits and caches through a prompt and evicting decode
+    steps. To float rounding: the three are different programs, and XLA may fuse the layer
+    scan's float ops differently in each (a block write stores bit-identically what a write
+    per layer stores from the same input: test_formats'
+    test_a_block_of_layers_is_written_bit_identically_to_each_layer_alone)."""
     from kvjax import formats
     from kvjax.cache import store_by_layer
     from kvjax.model import forward as fwd
@@ -144,7 +147,8 @@ def test_store_layers_in_blocks_equals_a_store_per_layer(policy, fmt, kw, monkey
     alone = run()
     for other in (in_twos, alone):
         for a, b in zip(jax.tree.leaves(every), jax.tree.leaves(other), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(every[1].pos, other[1].pos)  # the same slots kept
     assert int(every[1].pos.max()) == 39  # the cache holds the last token
 
 

@@ -529,11 +529,13 @@ def test_channel_keys_sequential_stream_matches_block_reference(bits, S):
         assert np.all(np.asarray(store["scale"]) == 0)  # no per-token fallback in a stream
 
 
-def test_channel_keys_under_eviction_no_requantization_and_bounded():
+@pytest.mark.parametrize("S", [1, 2])
+def test_channel_keys_under_eviction_no_requantization_and_bounded(S):
     """H2O-like victims inside sealed groups: every slot within its stored bound, outliers kept,
-    and codes/params of keys that were not overwritten never change (no re-quantization)."""
+    and codes/params of keys that were not overwritten never change (no re-quantization). With
+    one open group (S = 1) the residual is written in place; with two it is rebuilt."""
     C, E, g = 64, 16, 8
-    fmt = get_format("int4", group=g, residual=2 * g, key_mode="channel")
+    fmt = get_format("int4", group=g, residual=S * g, key_mode="channel")
     w = one_row_writer(fmt, C)
     rng = np.random.default_rng(7)
     truth = structured("normal", 1, (C, E)) * np.linspace(0.2, 4, E, dtype=np.float32)
@@ -582,14 +584,21 @@ def landed(plan, C: int, g: int) -> dict:
 
 @pytest.mark.parametrize("bits,g,S", [(4, 8, 1), (2, 8, 2)])
 def test_channel_plan_of_all_rows_and_heads_equals_each_one_alone(bits, g, S):
-    """`_channel_plan` plans every (row, kv head) in one pass over explicit indices; each one's
-    plan must be what the same rule gives it alone (vmapped over rows and heads), through
-    in-order chunks, scattered evictions, padding and outliers (B = 2, K = 3)."""
+    """A channel write's plan (`_channel_book`, `_channel_codes`, `_channel_residual`) covers
+    every (row, kv head) in one pass over explicit indices; each one's plan must be what the
+    same rule gives it alone (vmapped over rows and heads), through in-order chunks, scattered
+    evictions, padding and outliers (B = 2, K = 3)."""
     B, K, C, E = 2, 3, 64, 16
     fmt = get_format(f"int{bits}", group=g, residual=S * g, key_mode="channel")
     store = fmt.init((1, B, K, C, E), "k")
     rng = np.random.default_rng(3)
-    plan = functools.partial(F._channel_plan, bits=bits, C=C)
+
+    def plan(res, res_group, res_mask, cs, cz, slots, x):  # a write's whole plan, unconditional
+        book = F._channel_book(res_group, res_mask, slots, C=C)
+        codes = F._channel_codes(book, res, x, cs, cz, bits=bits, C=C)
+        return {**codes, **{k: book[k] for k in ("keep", "res_mask", "entry", "seal", "flush")},
+                "res": F._channel_residual(book, res, x, C)}
+
     together, alone = jax.jit(plan), jax.jit(jax.vmap(jax.vmap(plan)))
     names = ("res", "res_group", "res_mask", "cscale", "czero")
     n = 0
