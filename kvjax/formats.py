@@ -788,56 +788,61 @@ class _IntFormat(_LayerBatched):
             chan = q.reshape(B, K, C // g, g, E) * cs + cz  # [B, K, C/g, g, E]
             tok = tok.reshape(chan.shape)
             out = jnp.where(scale.reshape(B, K, C // g, g, -1)[..., :1] > 0, tok, chan)
-            # the residual's keys over their slots: a select per open group, not a scatter,
-            # so the whole read stays one elementwise fusion
+            # then the residual's keys over their slots
             res = _layer(store["res"], layer)  # [B, K, S, g, E]
             res_group = _layer(store["res_group"], layer)  # [B, K, S]
             res_mask = _layer(store["res_mask"], layer)  # [B, K, S, g]
-            groups = jnp.arange(C // g, dtype=res_group.dtype)  # [C/g]
-            for j in range(res.shape[2]):
-                at = (groups == res_group[:, :, j, None])[..., None] & res_mask[:, :, j, None]
-                out = jnp.where(at[..., None], res[:, :, j, None], out)  # [B, K, C/g, g, E]
-            return out.reshape(B, K, C, E)
+            S = res.shape[2]
+            if S == 1:  # one open group: a select, so the whole read stays one fusion
+                at = (jnp.arange(C // g) == res_group)[..., None] & res_mask  # [B, K, C/g, g]
+                return jnp.where(at[..., None], res, out).reshape(B, K, C, E)
+            # more: a scatter (a select per open group took ~2 ms longer per decode step with two
+            # open groups in a scratch A/B)
+            rs = _residual_slots(res_group, res_mask, C)  # [B, K, S*g]; past a prefix: dropped
+            b = jnp.arange(B)[:, None, None]
+            h = jnp.arange(K)[None, :, None]
+            return out.reshape(B, K, C, E).at[b, h, rs].set(res.reshape(B, K, S * g, E),
+                                                             mode="drop")
 
     def _write_channel(self, store, layer, slots, x):
         """Per-channel keys: plan every (row, head) with `_channel_book`; only when an entry
-        leaves the residual, code it (`_channel_codes`) and scatter the codes (`lax.cond`: most
-        decode steps of a policy that fills slots in order code nothing). With one open group
-        the kept residual rows stay where they are, so only the chunk's rows are written
-        into it; with more, entries move (newest first) and the residual is rebuilt."""
+        leaves the residual are its codes computed (`_channel_codes` in a `lax.cond`: most
+        decode steps of a policy that fills slots in order code nothing), then scattered.
+        With one open group the kept residual rows stay where they are, so only the chunk's
+        rows are written into it; with more, entries move (newest first) and the residual is
+        rebuilt."""
         C = store["q"].shape[-2]
         S, g, E = store["res"].shape[-3:]
         x = x.astype(jnp.float32)  # [B, K, T, E]
+        res = _layer(store["res"], layer)  # [B, K, S, g, E]
+        cs, cz = _layer(store["cscale"], layer), _layer(store["czero"], layer)  # [B, K, NG, E]
         book = _channel_book(
             _layer(store["res_group"], layer),  # [B, K, S]
             _layer(store["res_mask"], layer),  # [B, K, S, g]
             slots,  # [B, K, T]
             C=C,
         )
+        # one open group: the working set is needed only to code (inside the cond); with
+        # more, the rebuilt residual needs it too
+        xs = None if S == 1 else _working_rows(book, res, x, C)  # [B, K, N, E]
 
-        def residual(st):  # the new residual from the old one (st["res"])
-            if S > 1:  # entries move: rebuild
-                return _set_layer(st["res"], _channel_residual(
-                    book, _layer(st["res"], layer), x, C), layer)
-            # one open group: kept rows stay in place; the chunk's rows go to (entry, slot % g)
-            new = jnp.where(book["entry"][..., g:] == 0, book["slot"][..., g:] % g, g)  # [B,K,T]
-            flat = st["res"].reshape(st["res"].shape[:3] + (g, E))  # [L, B, K, g, E]
-            return scatter_slots(flat, layer, new, x).reshape(st["res"].shape)
+        def codes():
+            rows = _working_rows(book, res, x, C) if xs is None else xs
+            return _channel_codes(book, rows, cs, cz, g=g, bits=self.bits, C=C)
 
-        def coded(st):
-            rows = _channel_codes(book, _layer(st["res"], layer), x, _layer(st["cscale"], layer),
-                                  _layer(st["czero"], layer), bits=self.bits, C=C)
-            out = dict(st)
-            for n in ("q", "scale", "zero"):
-                out[n] = scatter_slots(st[n], layer, rows["dest"], rows[n])
-            for n in ("cscale", "czero"):  # group NG (not sealed now) is dropped
-                out[n] = scatter_slots(st[n], layer, rows["meta_dest"], rows[n])
-            return {**out, "res": residual(st)}
-
+        rows = jax.lax.cond(book["any_coded"], codes,
+                            lambda: _no_codes(book["slot"].shape, E, g, self.bits, C))
         out = dict(store)
-        out.update(jax.lax.cond(book["any_coded"], coded, lambda st: {**st, "res": residual(st)},
-                                {n: store[n] for n in ("q", "scale", "zero", "cscale", "czero",
-                                                       "res")}))
+        for n in ("q", "scale", "zero"):
+            out[n] = scatter_slots(store[n], layer, rows["dest"], rows[n])
+        for n in ("cscale", "czero"):  # group NG (not sealed now) is dropped
+            out[n] = scatter_slots(store[n], layer, rows["meta_dest"], rows[n])
+        if S == 1:  # kept rows in place: the chunk's rows go to (entry 0, slot % g)
+            new = jnp.where(book["entry"][..., g:] == 0, book["slot"][..., g:] % g, g)  # [B,K,T]
+            flat = store["res"].reshape(store["res"].shape[:3] + (g, E))  # [L, B, K, g, E]
+            out["res"] = scatter_slots(flat, layer, new, x).reshape(store["res"].shape)
+        else:
+            out["res"] = _set_layer(store["res"], _channel_residual(book, xs, S), layer)
         out["res_group"] = _set_layer(store["res_group"], book["keep"], layer)
         out["res_mask"] = _set_layer(store["res_mask"], book["res_mask"], layer)
         return out
@@ -905,29 +910,26 @@ def _channel_book(res_group, res_mask, slots, *, C: int):
 
 
 def _working_rows(book, res, x, C: int):
-    """The working set's keys [M, N, E]: the residual's rows (res [..., S, g, E]), then the
-    chunk's (x [..., T, E], zero where not stored); and the book's row entries flat, [M, N]."""
+    """The working set's keys [..., N, E]: the residual's rows (res [..., S, g, E]), then the
+    chunk's (x [..., T, E], zero where not stored)."""
     S, g, E = res.shape[-3:]
-    b = {n: _flat(book[n], 1) for n in ("slot", "gid", "seal", "flush", "entry")}
-    x = _flat(x, 2)
-    x = jnp.where((b["slot"][:, S * g:] < C)[..., None], x, 0.0)
-    return jnp.concatenate([_flat(res, 3).reshape(x.shape[0], S * g, E), x], axis=1), b
+    x = jnp.where((book["slot"][..., S * g:] < C)[..., None], x, 0.0)
+    return jnp.concatenate([res.reshape(res.shape[:-3] + (S * g, E)), x], axis=-2)
 
 
-def _channel_codes(book, res, x, cs, cz, *, bits: int, C: int):
-    """Codes and params of the rows `book` (`_channel_book`) seals or flushes: res [..., S, g, E]
-    the residual, x [..., T, E] the chunk, cs, cz [..., NG, E] the stored per-channel params.
+def _channel_codes(book, xs, cs, cz, *, g: int, bits: int, C: int):
+    """Codes and params of the rows `book` (`_channel_book`) seals or flushes: xs [..., N, E]
+    the working set (`_working_rows`), cs, cz [..., NG, E] the stored per-channel params.
     Returns, with the leading dims: dest [..., N] (slot; C = dropped), packed codes q, per-token
     fallback params scale, zero [..., N, E/g], meta_dest [..., N] (the group sealed; NG =
     dropped) and its fresh params cscale, czero [..., N, E]. Most of a per-channel key write's
     time when it runs (docs/benchmarks.md)."""
     lead = book["slot"].shape[:-1]
-    xs, b = _working_rows(book, res, x, C)  # [M, N, E]
+    xs = _flat(xs, 2)  # [M, N, E]
     M, _, E = xs.shape
-    g = res.shape[-2]
     NG = C // g
     cs, cz = _flat(cs, 2), _flat(cz, 2)  # [M, NG, E]
-    gid, seal, flush, slot = b["gid"], b["seal"], b["flush"], b["slot"]
+    gid, seal, flush, slot = (_flat(book[n], 1) for n in ("gid", "seal", "flush", "slot"))
     m = jnp.arange(M)[:, None]  # [M, 1]
 
     def at_group(a, idx):  # a [M, NG+1, ...] at idx [M, N] -> [M, N, ...]
@@ -972,16 +974,30 @@ def _channel_codes(book, res, x, cs, cz, *, bits: int, C: int):
     return {n: a.reshape(lead + a.shape[1:]) for n, a in out.items()}
 
 
-def _channel_residual(book, res, x, C: int):
-    """The new residual [..., S, g, E] built from the working set (kept rows at their new
-    entries, newest group first; the rest zero)."""
+def _no_codes(shape, E: int, g: int, bits: int, C: int):
+    """`_channel_codes`'s rows when no entry leaves the residual (a decode step into the open
+    group): every row dropped, nothing computed. shape: the book's [..., N]."""
+    return {
+        "dest": jnp.full(shape, C, jnp.int32),
+        "q": jnp.zeros(shape + (E * bits // 8,), jnp.uint8),
+        "scale": jnp.zeros(shape + (E // g,), META_DTYPE),
+        "zero": jnp.zeros(shape + (E // g,), META_DTYPE),
+        "meta_dest": jnp.full(shape, C // g, jnp.int32),
+        "cscale": jnp.zeros(shape + (E,), META_DTYPE),
+        "czero": jnp.zeros(shape + (E,), META_DTYPE),
+    }
+
+
+def _channel_residual(book, xs, S: int):
+    """The new residual [..., S, g, E] from the working set xs [..., N, E] (`_working_rows`):
+    kept rows at their new entries, newest group first; the rest zero."""
     lead = book["slot"].shape[:-1]
-    S, g, E = res.shape[-3:]
-    xs, b = _working_rows(book, res, x, C)
-    M = xs.shape[0]
+    g = book["res_mask"].shape[-1]
+    xs = _flat(xs, 2)  # [M, N, E]
+    M, _, E = xs.shape
     m = jnp.arange(M)[:, None]
-    new = jnp.zeros((M, S, g, E), jnp.float32).at[m, b["entry"], b["slot"] % g].set(
-        xs, mode="drop")
+    new = jnp.zeros((M, S, g, E), jnp.float32).at[
+        m, _flat(book["entry"], 1), _flat(book["slot"], 1) % g].set(xs, mode="drop")
     return new.reshape(lead + (S, g, E))
 
 

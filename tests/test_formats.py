@@ -584,7 +584,8 @@ def landed(plan, C: int, g: int) -> dict:
 
 @pytest.mark.parametrize("bits,g,S", [(4, 8, 1), (2, 8, 2)])
 def test_channel_plan_of_all_rows_and_heads_equals_each_one_alone(bits, g, S):
-    """A channel write's plan (`_channel_book`, `_channel_codes`, `_channel_residual`) covers
+    """A channel write's plan (`_channel_book`, `_working_rows`, `_channel_codes`,
+    `_channel_residual`) covers
     every (row, kv head) in one pass over explicit indices; each one's plan must be what the
     same rule gives it alone (vmapped over rows and heads), through in-order chunks, scattered
     evictions, padding and outliers (B = 2, K = 3)."""
@@ -595,9 +596,10 @@ def test_channel_plan_of_all_rows_and_heads_equals_each_one_alone(bits, g, S):
 
     def plan(res, res_group, res_mask, cs, cz, slots, x):  # a write's whole plan, unconditional
         book = F._channel_book(res_group, res_mask, slots, C=C)
-        codes = F._channel_codes(book, res, x, cs, cz, bits=bits, C=C)
+        xs = F._working_rows(book, res, x, C)
+        codes = F._channel_codes(book, xs, cs, cz, g=g, bits=bits, C=C)
         return {**codes, **{k: book[k] for k in ("keep", "res_mask", "entry", "seal", "flush")},
-                "res": F._channel_residual(book, res, x, C)}
+                "res": F._channel_residual(book, xs, S)}
 
     together, alone = jax.jit(plan), jax.jit(jax.vmap(jax.vmap(plan)))
     names = ("res", "res_group", "res_mask", "cscale", "czero")
