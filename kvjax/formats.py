@@ -824,14 +824,16 @@ class _IntFormat(_LayerBatched):
         )
         # one open group: the working set is needed only to code (inside the cond); with
         # more, the rebuilt residual needs it too
-        xs = None if S == 1 else _working_rows(book, res, x, C)  # [B, K, N, E]
+        xs = None if S == 1 else _working_rows(book, res, x, C)  # [M, N, E]
 
         def codes():
             rows = _working_rows(book, res, x, C) if xs is None else xs
             return _channel_codes(book, rows, cs, cz, g=g, bits=self.bits, C=C)
 
+        lead, N = book["slot"].shape[:-1], book["slot"].shape[-1]
         rows = jax.lax.cond(book["any_coded"], codes,
-                            lambda: _no_codes(book["slot"].shape, E, g, self.bits, C))
+                            lambda: _no_codes(math.prod(lead), N, E, g, self.bits, C))
+        rows = {n: a.reshape(lead + a.shape[1:]) for n, a in rows.items()}  # flat [M] -> lead
         out = dict(store)
         for n in ("q", "scale", "zero"):
             out[n] = scatter_slots(store[n], layer, rows["dest"], rows[n])
@@ -910,22 +912,24 @@ def _channel_book(res_group, res_mask, slots, *, C: int):
 
 
 def _working_rows(book, res, x, C: int):
-    """The working set's keys [..., N, E]: the residual's rows (res [..., S, g, E]), then the
-    chunk's (x [..., T, E], zero where not stored)."""
+    """The working set's keys, flat [M, N, E] over the leading dims: the residual's rows (res
+    [..., S, g, E]), then the chunk's (x [..., T, E], zero where not stored). Flat, as
+    `_channel_codes` takes and gives its rows: in the lead dims XLA gave a conditional's
+    outputs transposed layouts, and an evicting step's coding ran ~0.7 ms longer
+    (`python -m experiments.profile_step`, docs/benchmarks.md)."""
     S, g, E = res.shape[-3:]
-    x = jnp.where((book["slot"][..., S * g:] < C)[..., None], x, 0.0)
-    return jnp.concatenate([res.reshape(res.shape[:-3] + (S * g, E)), x], axis=-2)
+    x = _flat(x, 2)
+    x = jnp.where((_flat(book["slot"], 1)[:, S * g:] < C)[..., None], x, 0.0)
+    return jnp.concatenate([_flat(res, 3).reshape(x.shape[0], S * g, E), x], axis=1)
 
 
 def _channel_codes(book, xs, cs, cz, *, g: int, bits: int, C: int):
-    """Codes and params of the rows `book` (`_channel_book`) seals or flushes: xs [..., N, E]
+    """Codes and params of the rows `book` (`_channel_book`) seals or flushes: xs [M, N, E]
     the working set (`_working_rows`), cs, cz [..., NG, E] the stored per-channel params.
-    Returns, with the leading dims: dest [..., N] (slot; C = dropped), packed codes q, per-token
-    fallback params scale, zero [..., N, E/g], meta_dest [..., N] (the group sealed; NG =
-    dropped) and its fresh params cscale, czero [..., N, E]. Most of a per-channel key write's
+    Returns, flat over the leading dims: dest [M, N] (slot; C = dropped), packed codes q,
+    per-token fallback params scale, zero [M, N, E/g], meta_dest [M, N] (the group sealed; NG
+    = dropped) and its fresh params cscale, czero [M, N, E]. Most of a per-channel key write's
     time when it runs (docs/benchmarks.md)."""
-    lead = book["slot"].shape[:-1]
-    xs = _flat(xs, 2)  # [M, N, E]
     M, _, E = xs.shape
     NG = C // g
     cs, cz = _flat(cs, 2), _flat(cz, 2)  # [M, NG, E]
@@ -971,12 +975,13 @@ def _channel_codes(book, xs, cs, cz, *, g: int, bits: int, C: int):
         "cscale": new_cs,  # [M, N, E]
         "czero": new_cz,  # [M, N, E]
     }
-    return {n: a.reshape(lead + a.shape[1:]) for n, a in out.items()}
+    return out
 
 
-def _no_codes(shape, E: int, g: int, bits: int, C: int):
+def _no_codes(M: int, N: int, E: int, g: int, bits: int, C: int):
     """`_channel_codes`'s rows when no entry leaves the residual (a decode step into the open
-    group): every row dropped, nothing computed. shape: the book's [..., N]."""
+    group): every row dropped, nothing computed."""
+    shape = (M, N)
     return {
         "dest": jnp.full(shape, C, jnp.int32),
         "q": jnp.zeros(shape + (E * bits // 8,), jnp.uint8),
@@ -989,11 +994,10 @@ def _no_codes(shape, E: int, g: int, bits: int, C: int):
 
 
 def _channel_residual(book, xs, S: int):
-    """The new residual [..., S, g, E] from the working set xs [..., N, E] (`_working_rows`):
+    """The new residual [..., S, g, E] from the working set xs [M, N, E] (`_working_rows`):
     kept rows at their new entries, newest group first; the rest zero."""
     lead = book["slot"].shape[:-1]
     g = book["res_mask"].shape[-1]
-    xs = _flat(xs, 2)  # [M, N, E]
     M, _, E = xs.shape
     m = jnp.arange(M)[:, None]
     new = jnp.zeros((M, S, g, E), jnp.float32).at[

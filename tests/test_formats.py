@@ -597,7 +597,8 @@ def test_channel_plan_of_all_rows_and_heads_equals_each_one_alone(bits, g, S):
     def plan(res, res_group, res_mask, cs, cz, slots, x):  # a write's whole plan, unconditional
         book = F._channel_book(res_group, res_mask, slots, C=C)
         xs = F._working_rows(book, res, x, C)
-        codes = F._channel_codes(book, xs, cs, cz, g=g, bits=bits, C=C)
+        codes = F._channel_codes(book, xs, cs, cz, g=g, bits=bits, C=C)  # flat [M, ...]
+        codes = {k: v.reshape(slots.shape[:-1] + v.shape[1:]) for k, v in codes.items()}
         return {**codes, **{k: book[k] for k in ("keep", "res_mask", "entry", "seal", "flush")},
                 "res": F._channel_residual(book, xs, S)}
 
