@@ -830,23 +830,25 @@ class _IntFormat(_LayerBatched):
             rows = _working_rows(book, res, x, C) if xs is None else xs
             return _channel_codes(book, rows, cs, cz, g=g, bits=self.bits, C=C)
 
-        lead, N = book["slot"].shape[:-1], book["slot"].shape[-1]
+        def unflat(a):  # the plan's flat [M, ...] -> the store's leading dims, e.g. [B, K, ...]
+            return a.reshape(slots.shape[:-1] + a.shape[1:])
+
         rows = jax.lax.cond(book["any_coded"], codes,
-                            lambda: _no_codes(math.prod(lead), N, E, g, self.bits, C))
-        rows = {n: a.reshape(lead + a.shape[1:]) for n, a in rows.items()}  # flat [M] -> lead
+                            lambda: _no_codes(*book["slot"].shape, E, g, self.bits, C))
+        rows = {n: unflat(a) for n, a in rows.items()}
         out = dict(store)
         for n in ("q", "scale", "zero"):
             out[n] = scatter_slots(store[n], layer, rows["dest"], rows[n])
         for n in ("cscale", "czero"):  # group NG (not sealed now) is dropped
             out[n] = scatter_slots(store[n], layer, rows["meta_dest"], rows[n])
         if S == 1:  # kept rows in place: the chunk's rows go to (entry 0, slot % g)
-            new = jnp.where(book["entry"][..., g:] == 0, book["slot"][..., g:] % g, g)  # [B,K,T]
+            new = jnp.where(book["entry"][:, g:] == 0, book["slot"][:, g:] % g, g)  # [M, T]
             flat = store["res"].reshape(store["res"].shape[:3] + (g, E))  # [L, B, K, g, E]
-            out["res"] = scatter_slots(flat, layer, new, x).reshape(store["res"].shape)
+            out["res"] = scatter_slots(flat, layer, unflat(new), x).reshape(store["res"].shape)
         else:
-            out["res"] = _set_layer(store["res"], _channel_residual(book, xs, S), layer)
-        out["res_group"] = _set_layer(store["res_group"], book["keep"], layer)
-        out["res_mask"] = _set_layer(store["res_mask"], book["res_mask"], layer)
+            out["res"] = _set_layer(store["res"], unflat(_channel_residual(book, xs, S)), layer)
+        out["res_group"] = _set_layer(store["res_group"], unflat(book["keep"]), layer)
+        out["res_mask"] = _set_layer(store["res_mask"], unflat(book["res_mask"]), layer)
         return out
 
 
@@ -869,13 +871,13 @@ def _channel_book(res_group, res_mask, slots, *, C: int):
 
     Leading dims [...] (e.g. [B, K], or none): res_group [..., S], res_mask [..., S, g] (the
     residual, entry 0 newest); slots [..., T]. The working set is N = S*g + T rows: the
-    residual's, then the chunk's. Returns, with the leading dims: slot [..., N] (C = none),
-    gid (its slot group; NG = none), seal, flush [..., N], entry [..., N] (its residual
-    entry after the write; S = not kept), keep [..., S] (the new res_group), res_mask
-    [..., S, g], and any_coded (whether any row is sealed or flushed; a scalar over all).
-    Written over a flat [M] of the leading dims with explicit indices rather than under two
-    `vmap`s: the same ops, traced without the batching rules (docs/benchmarks.md)."""
-    lead = slots.shape[:-1]
+    residual's, then the chunk's. Returns, flat over the leading dims [M]: slot [M, N] (C =
+    none), gid (its slot group; NG = none), seal, flush [M, N], entry [M, N] (its residual
+    entry after the write; S = not kept), keep [M, S] (the new res_group), res_mask [M, S, g],
+    and any_coded (whether any row is sealed or flushed; a scalar over all). The whole plan
+    (`_working_rows`, `_channel_codes`, `_channel_residual`) works over that flat [M] with
+    explicit indices rather than under two `vmap`s: the same ops, traced without the batching
+    rules (docs/benchmarks.md); the write puts the leading dims back."""
     S, g = res_mask.shape[-2:]
     T = slots.shape[-1]
     NG = C // g
@@ -905,10 +907,8 @@ def _channel_book(res_group, res_mask, slots, *, C: int):
     flush = valid & ~done & ~stay
     entry = jnp.where(stay, jnp.argmax(match, axis=-1), S)  # [M, N]; S = not kept
     new_mask = jnp.zeros((M, S, g), bool).at[m, entry, slot % g].set(True, mode="drop")
-    out = {"slot": slot, "gid": gid, "seal": seal, "flush": flush, "entry": entry,
-           "keep": keep, "res_mask": new_mask}
-    out = {n: a.reshape(lead + a.shape[1:]) for n, a in out.items()}
-    return {**out, "any_coded": jnp.any(seal | flush)}
+    return {"slot": slot, "gid": gid, "seal": seal, "flush": flush, "entry": entry,
+            "keep": keep, "res_mask": new_mask, "any_coded": jnp.any(seal | flush)}
 
 
 def _working_rows(book, res, x, C: int):
@@ -919,7 +919,7 @@ def _working_rows(book, res, x, C: int):
     (`python -m experiments.profile_step`, docs/benchmarks.md)."""
     S, g, E = res.shape[-3:]
     x = _flat(x, 2)
-    x = jnp.where((_flat(book["slot"], 1)[:, S * g:] < C)[..., None], x, 0.0)
+    x = jnp.where((book["slot"][:, S * g:] < C)[..., None], x, 0.0)
     return jnp.concatenate([_flat(res, 3).reshape(x.shape[0], S * g, E), x], axis=1)
 
 
@@ -933,7 +933,7 @@ def _channel_codes(book, xs, cs, cz, *, g: int, bits: int, C: int):
     M, _, E = xs.shape
     NG = C // g
     cs, cz = _flat(cs, 2), _flat(cz, 2)  # [M, NG, E]
-    gid, seal, flush, slot = (_flat(book[n], 1) for n in ("gid", "seal", "flush", "slot"))
+    gid, seal, flush, slot = (book[n] for n in ("gid", "seal", "flush", "slot"))
     m = jnp.arange(M)[:, None]  # [M, 1]
 
     def at_group(a, idx):  # a [M, NG+1, ...] at idx [M, N] -> [M, N, ...]
@@ -994,15 +994,13 @@ def _no_codes(M: int, N: int, E: int, g: int, bits: int, C: int):
 
 
 def _channel_residual(book, xs, S: int):
-    """The new residual [..., S, g, E] from the working set xs [M, N, E] (`_working_rows`):
+    """The new residual [M, S, g, E] from the working set xs [M, N, E] (`_working_rows`):
     kept rows at their new entries, newest group first; the rest zero."""
-    lead = book["slot"].shape[:-1]
-    g = book["res_mask"].shape[-1]
     M, _, E = xs.shape
+    g = book["res_mask"].shape[-1]
     m = jnp.arange(M)[:, None]
-    new = jnp.zeros((M, S, g, E), jnp.float32).at[
-        m, _flat(book["entry"], 1), _flat(book["slot"], 1) % g].set(xs, mode="drop")
-    return new.reshape(lead + (S, g, E))
+    return jnp.zeros((M, S, g, E), jnp.float32).at[m, book["entry"], book["slot"] % g].set(
+        xs, mode="drop")
 
 
 @register

@@ -595,12 +595,12 @@ def test_channel_plan_of_all_rows_and_heads_equals_each_one_alone(bits, g, S):
     rng = np.random.default_rng(3)
 
     def plan(res, res_group, res_mask, cs, cz, slots, x):  # a write's whole plan, unconditional
-        book = F._channel_book(res_group, res_mask, slots, C=C)
+        book = F._channel_book(res_group, res_mask, slots, C=C)  # flat [M, ...], as the rest
         xs = F._working_rows(book, res, x, C)
-        codes = F._channel_codes(book, xs, cs, cz, g=g, bits=bits, C=C)  # flat [M, ...]
-        codes = {k: v.reshape(slots.shape[:-1] + v.shape[1:]) for k, v in codes.items()}
-        return {**codes, **{k: book[k] for k in ("keep", "res_mask", "entry", "seal", "flush")},
-                "res": F._channel_residual(book, xs, S)}
+        out = {**F._channel_codes(book, xs, cs, cz, g=g, bits=bits, C=C),
+               **{k: book[k] for k in ("keep", "res_mask", "entry", "seal", "flush")},
+               "res": F._channel_residual(book, xs, S)}
+        return {k: v.reshape(slots.shape[:-1] + v.shape[1:]) for k, v in out.items()}
 
     together, alone = jax.jit(plan), jax.jit(jax.vmap(jax.vmap(plan)))
     names = ("res", "res_group", "res_mask", "cscale", "czero")
