@@ -18,14 +18,12 @@ same variants beside HF, with fewer rounds than a ~1 ms difference needs on a no
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 
 import jax
 import numpy as np
 
-from experiments.bench_hf import AllSlots, time_decode, timed_rounds
+from experiments.bench_hf import AllSlots, json_path, time_decode, timed_rounds, write_json
 from kvjax.cache import KVCache
 from kvjax.experiment import git_info
 from kvjax.formats import get_format
@@ -79,7 +77,7 @@ def main(argv=None):
     try:
         specs = {s: parse_spec(s) for s in a.specs}
         for _, policy, fmt, cap in specs.values():  # names checked before the model loads
-            get_policy(policy) if policy == "full" else get_policy(policy, budget=cap)
+            get_policy(policy, budget=cap)
             get_format(fmt)
     except ValueError as e:
         ap.error(str(e))
@@ -91,7 +89,7 @@ def main(argv=None):
     ids = encode_prefix(tokenizer, default_text(), max(n for n, *_ in specs.values()))
     base, rng = {}, jax.random.PRNGKey(0)
     for spec, (n, policy, fmt, cap) in specs.items():
-        pol = get_policy(policy) if policy == "full" else get_policy(policy, budget=cap)
+        pol = get_policy(policy, budget=cap)
         for name, cls in VARIANTS.items():
             logits, cache = prefill(params, [ids[:n]], cls.init(cfg, 1, pol, get_format(fmt),
                                                                cap), cfg)
@@ -126,11 +124,10 @@ def main(argv=None):
     if a.out:
         with open(a.out, "w") as f:
             f.write(head + table + "\n")
-        with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
-            json.dump({"code": git_info(code_only=True), "steps": a.steps, "rows": rows,
-                       "other_cores": others,
-                       "other_cores_median": statistics.median(
-                           [o for o in others if o is not None] or [0.0])}, f, indent=1)
+        write_json(json_path(a.out), {
+            "code": git_info(code_only=True), "steps": a.steps, "rows": rows,
+            "other_cores": others,
+            "other_cores_median": statistics.median([o for o in others if o is not None] or [0.0])})
     return rows
 
 

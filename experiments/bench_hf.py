@@ -291,12 +291,22 @@ def parse_args(argv=None):
     if min(sizes) < 1 or a.check_tokens < 2:
         ap.error("sizes, --steps, --rounds and --hf-threads must be positive, --check-tokens >= 2")
     for spec in a.kv_extra:
-        parts = spec.split(":")
-        if (len(parts) not in (3, 4) or not parts[1].isdigit() or int(parts[1]) < 1
-                or parts[3:] not in ([], [ALL_SLOTS])):
-            ap.error(f"--kv-extra {spec!r}: expected POLICY:BUDGET:FORMAT or "
-                     f"POLICY:BUDGET:FORMAT:{ALL_SLOTS}, e.g. h2o:512:int4")
+        try:
+            parse_kv_spec(spec)
+        except ValueError as e:
+            ap.error(str(e))
     return a
+
+
+def parse_kv_spec(spec: str, flag: str = "--kv-extra") -> tuple[str, int, str, type]:
+    """A cache variant POLICY:BUDGET:FORMAT[:all-slots] -> (policy, budget, format, cache
+    class: `KVCache`, or `AllSlots` with the suffix); a ValueError names the flag and spec."""
+    parts = spec.split(":")
+    if (len(parts) not in (3, 4) or not parts[1].isdigit() or int(parts[1]) < 1
+            or parts[3:] not in ([], [ALL_SLOTS])):
+        raise ValueError(f"{flag} {spec!r}: expected POLICY:BUDGET:FORMAT or "
+                         f"POLICY:BUDGET:FORMAT:{ALL_SLOTS}, e.g. h2o:512:int4")
+    return parts[0], int(parts[1]), parts[2], AllSlots if parts[3:] else KVCache
 
 
 def main(argv=None):
@@ -359,10 +369,9 @@ def main(argv=None):
     # in the same rounds for decode only.
     kv_setups = {"kvjax": (full, fmt, 0, KVCache)}  # (policy, format, least max_len, cache)
     for spec in a.kv_extra:
-        name, budget, form, *all_slots = spec.split(":")
-        kv_setups[f"kvjax {name}/{budget} {form}" + " (all slots)" * bool(all_slots)] = (
-            get_policy(name, budget=int(budget)), get_format(form), int(budget),
-            AllSlots if all_slots else KVCache)
+        name, budget, form, cls = parse_kv_spec(spec)
+        kv_setups[f"kvjax {name}/{budget} {form}" + " (all slots)" * (cls is AllSlots)] = (
+            get_policy(name, budget=budget), get_format(form), budget, cls)
 
     def kv_prefill(p):
         lg, _ = prefill(params, [ids[:p].tolist()], kv_cache(p + a.steps), cfg)
@@ -527,14 +536,14 @@ def records(measures, variants, hf_vars, med) -> list[dict]:
 
 
 def write_json(path: str, summary: dict) -> None:
-    """The table's numbers (medians per variant and measure, kvjax's speed-up over each HF
-    variant as the ratio columns) as JSON, for checks."""
+    """A benchmark's figures as JSON beside its table, for checks (here: the medians per variant
+    and measure, kvjax's speed-up over each HF variant as the ratio columns)."""
     with open(path, "w") as f:
         json.dump(summary, f, indent=1)
 
 
 def json_path(out: str) -> str:
-    """Where `--out FILE` also writes the medians as JSON (for checks): FILE with .json."""
+    """Where `--out FILE` also writes the figures as JSON (for checks): FILE with .json."""
     return os.path.splitext(out)[0] + ".json"
 
 

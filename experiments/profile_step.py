@@ -1,10 +1,10 @@
 """Where a decode step's time goes, by `jax.named_scope`: XLA op time per step, per scope.
 
-    python -m experiments.profile_step [--specs POLICY:BUDGET:FORMAT ...] [--context 128]
+    python -m experiments.profile_step [--specs POLICY:BUDGET:FORMAT[:all-slots] ...] [--context 128]
                                        [--steps 40] [--rounds 2] [--out FILE]
 
-Each spec's cache (BUDGET slots; `full` takes it as its capacity) gets `--context` tokens of the
-default text (real model, f32 weights, batch 1); then `--steps` decode steps run under
+Each spec's cache (BUDGET slots; `full` takes it as its capacity; with `:all-slots`,
+`AllSlots`: attention over every slot) gets `--context` tokens of the default text (real model, f32 weights, batch 1); then `--steps` decode steps run under
 `jax.profiler.trace`, `--rounds` times, the specs interleaved. Every XLA op event in the trace
 is attributed to the innermost kvjax scope of the HLO instruction it ran (the compiled step's
 `op_name` metadata; `SCOPES`); ops outside them, mostly the weight matmuls and the head, are
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import json
 import os
 import re
 import tempfile
@@ -79,15 +78,6 @@ def profile(run, hlo_text: str) -> dict[str, float]:
         return scope_seconds(xplane, op_scopes(hlo_text))
 
 
-def parse_spec(spec: str) -> tuple[str, int, str]:
-    """POLICY:BUDGET:FORMAT -> (policy, budget, format); ValueError names the spec."""
-    parts = spec.split(":")
-    if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) < 1:
-        raise ValueError(f"--specs {spec!r}: expected POLICY:BUDGET:FORMAT with BUDGET a "
-                         "positive integer, e.g. h2o:512:int4")
-    return parts[0], int(parts[1]), parts[2]
-
-
 def table(rows: dict[str, list[dict]]) -> str:
     """Markdown: per spec the median over rounds of each scope's ms per step, and the total."""
     cols = [c for c in (*SCOPES, "other") if any(c in r for rs in rows.values() for r in rs)]
@@ -101,7 +91,8 @@ def table(rows: dict[str, list[dict]]) -> str:
 
 
 def main(argv=None):
-    from kvjax.cache import KVCache, copy
+    from experiments.bench_hf import json_path, parse_kv_spec, write_json
+    from kvjax.cache import copy
     from kvjax.experiment import git_info
     from kvjax.formats import get_format
     from kvjax.generate import decode_step, prefill, sample
@@ -111,16 +102,17 @@ def main(argv=None):
     from kvjax.tasks.text import default_text, encode_prefix
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--specs", nargs="+", default=DEFAULT_SPECS, metavar="POLICY:BUDGET:FORMAT")
+    ap.add_argument("--specs", nargs="+", default=DEFAULT_SPECS,
+                    metavar="POLICY:BUDGET:FORMAT[:all-slots]")
     ap.add_argument("--context", type=int, default=128, help="tokens cached before the steps")
     ap.add_argument("--steps", type=int, default=40, help="decode steps profiled per round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None, help="also write the table here (and FILE.json)")
     a = ap.parse_args(argv)
     try:
-        specs = {s: parse_spec(s) for s in a.specs}
-        for policy, budget, fmt in specs.values():  # names checked before the model loads
-            get_policy(policy) if policy == "full" else get_policy(policy, budget=budget)
+        specs = {s: parse_kv_spec(s, "--specs") for s in a.specs}
+        for policy, budget, fmt, _ in specs.values():  # names checked before the model loads
+            get_policy(policy, budget=budget)
             get_format(fmt)
     except ValueError as e:
         ap.error(str(e))
@@ -131,10 +123,9 @@ def main(argv=None):
     params = to_device(np_params)
     ids = encode_prefix(tokenizer, default_text(), a.context)
     state = {}
-    for spec, (policy, budget, fmt) in specs.items():
-        pol = get_policy(policy) if policy == "full" else get_policy(policy, budget=budget)
-        logits, cache = prefill(params, [ids], KVCache.init(cfg, 1, pol, get_format(fmt), budget),
-                                cfg)
+    for spec, (policy, budget, fmt, cls) in specs.items():
+        cache = cls.init(cfg, 1, get_policy(policy, budget=budget), get_format(fmt), budget)
+        logits, cache = prefill(params, [ids], cache, cfg)
         tok = sample(logits, jax.random.PRNGKey(0))  # greedy
         hlo = decode_step.lower(params, tok, cache, cfg).compile().as_text()
         state[spec] = (tok, cache, hlo)
@@ -164,9 +155,8 @@ def main(argv=None):
     if a.out:
         with open(a.out, "w") as f:
             f.write(out + "\n")
-        with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
-            json.dump({"code": git_info(code_only=True), "context": a.context,
-                       "steps": a.steps, "rounds": rows}, f, indent=1)
+        write_json(json_path(a.out), {"code": git_info(code_only=True), "context": a.context,
+                                      "steps": a.steps, "rounds": rows})
     return rows
 
 

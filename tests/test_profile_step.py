@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from experiments import profile_step as P
+from experiments.bench_hf import AllSlots, parse_kv_spec
+from kvjax.cache import KVCache
 
 
 def test_innermost_scope_and_other():
@@ -45,9 +47,10 @@ def test_a_profile_attributes_op_time_to_the_scopes_that_ran_it():
 
 
 def test_specs_and_table():
-    assert P.parse_spec("h2o:512:int4") == ("h2o", 512, "int4")
+    assert parse_kv_spec("h2o:512:int4", "--specs") == ("h2o", 512, "int4", KVCache)
+    assert parse_kv_spec("h2o:512:int4:all-slots", "--specs")[3] is AllSlots
     for bad in ("h2o:512", "h2o:x:int4", "h2o:0:int4"):
-        with pytest.raises(ValueError, match="POLICY:BUDGET:FORMAT"):
-            P.parse_spec(bad)
+        with pytest.raises(ValueError, match="--specs .*POLICY:BUDGET:FORMAT"):
+            parse_kv_spec(bad, "--specs")
     t = P.table({"a": [{"policy": 1.0, "other": 3.0}, {"policy": 2.0, "other": 5.0}]})
     assert "| a | 5.50 | 1.50 | 4.00 |" in t and t.startswith("| spec | total | policy | other |")
