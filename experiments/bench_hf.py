@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, copy
 from kvjax.config import ModelConfig
 from kvjax.experiment import git_info
 from kvjax.formats import get_format
@@ -512,7 +512,7 @@ def main(argv=None):
 def time_decode(params, cfg, tok, base, steps: int, key) -> tuple[float, list[int]]:
     """kvjax's seconds per greedy token over `steps` decode steps (model step + `sample`) from
     `tok` and a copy of the cache `base` (`decode_step` donates its cache), and the tokens."""
-    c = jax.tree.map(jnp.copy, base)
+    c = copy(base)
     jax.block_until_ready(c)
     toks = []
     t0 = time.perf_counter()

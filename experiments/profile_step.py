@@ -1,10 +1,11 @@
 """Where a decode step's time goes, by `jax.named_scope`: XLA op time per step, per scope.
 
-    python -m experiments.profile_step [--specs POLICY:BUDGET:FORMAT[:all-slots] ...] [--context 128]
-                                       [--steps 40] [--rounds 2] [--out FILE]
+    python -m experiments.profile_step [--specs POLICY:BUDGET:FORMAT[:all-slots] ...]
+                                       [--context 128] [--steps 40] [--rounds 2] [--out FILE]
 
 Each spec's cache (BUDGET slots; `full` takes it as its capacity; with `:all-slots`,
-`AllSlots`: attention over every slot) gets `--context` tokens of the default text (real model, f32 weights, batch 1); then `--steps` decode steps run under
+`AllSlots`: attention over every slot) gets `--context` tokens of the default text (real model,
+f32 weights, batch 1); then `--steps` decode steps run under
 `jax.profiler.trace`, `--rounds` times, the specs interleaved. Every XLA op event in the trace
 is attributed to the innermost kvjax scope of the HLO instruction it ran (the compiled step's
 `op_name` metadata; `SCOPES`); ops outside them, mostly the weight matmuls and the head, are
@@ -130,7 +131,9 @@ def main(argv=None):
         hlo = decode_step.lower(params, tok, cache, cfg).compile().as_text()
         state[spec] = (tok, cache, hlo)
 
-    def steps(tok, cache):  # the same token from a copy of the prefilled cache (it is donated)
+    # the same token at every step: no sampling program runs, whose ops' names could collide
+    # with the step's; from a copy of the prefilled cache (decode_step donates it)
+    def steps(tok, cache):
         c = copy(cache)
         for _ in range(a.steps):
             logits, c = decode_step(params, tok, c, cfg)
