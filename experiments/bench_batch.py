@@ -25,7 +25,7 @@ import time
 import jax
 
 import kvjax.generate
-from experiments.bench_hf import json_path, timed_rounds, write_json
+from experiments.bench_hf import report, timed_rounds
 from kvjax.experiment import ModelSpec, build_format, git_info, load
 from kvjax.policies import get_policy
 from kvjax.tasks import TaskContext, get_task
@@ -118,14 +118,10 @@ def main(argv=None):
             f"discarded as busy{load_note}); answers identical at every batch size\n\n"
             "| task.batch | time | prefill | decode | prompts/s | speed-up | "
             "per-round speed-up, median |\n|---:|---:|---:|---:|---:|---:|---:|\n"
-            + "\n".join(lines) + "\n")
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
-        write_json(json_path(a.out), {"code": git_info(code_only=True), "task": a.task, "options": opts, "policy": a.policy,
-                                      "kv_dtype": a.kv_dtype, "rounds": len(kept),
-                                      "batches": {str(b): v for b, v in summary.items()}})
+            + "\n".join(lines))
+    report(text, a.out, {"code": git_info(code_only=True), "task": a.task, "options": opts,
+                         "policy": a.policy, "kv_dtype": a.kv_dtype, "rounds": len(kept),
+                         "batches": {str(b): v for b, v in summary.items()}})
     return summary
 
 

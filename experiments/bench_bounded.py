@@ -23,7 +23,7 @@ import statistics
 import jax
 import numpy as np
 
-from experiments.bench_hf import AllSlots, json_path, time_decode, timed_rounds, write_json
+from experiments.bench_hf import AllSlots, report, time_decode, timed_rounds
 from kvjax.cache import KVCache
 from kvjax.experiment import git_info
 from kvjax.formats import get_format
@@ -119,15 +119,9 @@ def main(argv=None):
             f"policy, format, capacity), jax {jax.__version__}, {a.steps} decode steps per "
             f"measurement, medians of {len(kept)} interleaved rounds"
             + (f" ({discarded} discarded: other processes busy)" if discarded else "") + "\n\n")
-    print()
-    print(head + table)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(head + table + "\n")
-        write_json(json_path(a.out), {
-            "code": git_info(code_only=True), "steps": a.steps, "rows": rows,
-            "other_cores": others,
-            "other_cores_median": statistics.median([o for o in others if o is not None] or [0.0])})
+    report(head + table, a.out, {
+        "code": git_info(code_only=True), "steps": a.steps, "rows": rows, "other_cores": others,
+        "other_cores_median": statistics.median([o for o in others if o is not None] or [0.0])})
     return rows
 
 

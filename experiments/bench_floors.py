@@ -48,10 +48,9 @@ from experiments.bench_hf import (
     _import_hf,
     build_hf_model,
     cache_kwarg,
-    json_path,
+    report,
     time_decode,
     timed_rounds,
-    write_json,
 )
 from kvjax.cache import KVCache, LayerView
 from kvjax.formats import get_format
@@ -386,14 +385,8 @@ def main(argv=None):
     table = ("| measure | kvjax | HF | kvjax speed / HF | goal | floor | XLA floor | "
              "torch floor | XLA floor / goal |\n|---|---:|---:|---:|---|---|---:|---:|---:|\n"
              + "\n".join(rows) + ("\n\n" + "\n".join(notes) if notes else ""))
-    print()
-    print(head + table)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(head + table + "\n")
-        write_json(json_path(a.out), {"machine": head, "rounds": len(others),
-                                      "discarded": discarded, "other_cores": others,
-                                      "rows": summary})
+    report(head + table, a.out, {"machine": head, "rounds": len(others), "discarded": discarded,
+                                 "other_cores": others, "rows": summary})
     return summary
 
 

@@ -496,16 +496,10 @@ def main(argv=None):
              + " | ".join(f"kvjax speed / {c}" for c in hf_cols) + " |\n|---"
              + "|---:" * (len(variants) + len(threads)) + "|\n"
              + "\n".join("| " + " | ".join(r) + " |" for r in rows))
-    print()
-    print(head + table)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(head + table + "\n")
-        write_json(json_path(a.out), {
-            "machine": head.split("\n")[0], "code": git_info(code_only=True),
-            "agreement": agree, "rounds": len(others),
-            "discarded": discarded, "other_cores": others, "steps": a.steps,
-            "variants": variants, "rows": records(measures, variants, hf_vars, med)})
+    report(head + table, a.out, {
+        "machine": head.split("\n")[0], "code": git_info(code_only=True), "agreement": agree,
+        "rounds": len(others), "discarded": discarded, "other_cores": others, "steps": a.steps,
+        "variants": variants, "rows": records(measures, variants, hf_vars, med)})
     return rows
 
 
@@ -540,6 +534,17 @@ def write_json(path: str, summary: dict) -> None:
     and measure, kvjax's speed-up over each HF variant as the ratio columns)."""
     with open(path, "w") as f:
         json.dump(summary, f, indent=1)
+
+
+def report(text: str, out: str | None, figures: dict) -> None:
+    """Print a benchmark's Markdown; with `--out FILE`, also write it there and `figures` as
+    JSON beside it (`json_path`)."""
+    print()
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+        write_json(json_path(out), figures)
 
 
 def json_path(out: str) -> str:

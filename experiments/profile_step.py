@@ -92,7 +92,7 @@ def table(rows: dict[str, list[dict]]) -> str:
 
 
 def main(argv=None):
-    from experiments.bench_hf import json_path, parse_kv_spec, write_json
+    from experiments.bench_hf import parse_kv_spec, report
     from kvjax.cache import copy
     from kvjax.experiment import git_info
     from kvjax.formats import get_format
@@ -153,13 +153,8 @@ def main(argv=None):
             f"{a.context} tokens cached, jax {jax.__version__}: ms of XLA op time per decode step "
             f"summed over threads (median of {a.rounds} rounds of {a.steps} steps)\n\n")
     out = head + table(rows)
-    print()
-    print(out)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(out + "\n")
-        write_json(json_path(a.out), {"code": git_info(code_only=True), "context": a.context,
-                                      "steps": a.steps, "rounds": rows})
+    report(out, a.out, {"code": git_info(code_only=True), "context": a.context, "steps": a.steps,
+                        "rounds": rows})
     return rows
 
 

@@ -258,3 +258,14 @@ def test_time_decode_is_greedy_decoding_from_a_copy():
     for _ in range(2):  # the base cache is not consumed
         dt, toks = bench_hf.time_decode(params, cfg, tok, base, 6, key)
         assert dt > 0 and [int(tok[0]), *toks] == np.asarray(want).ravel()[-7:].tolist()
+
+
+def test_report_prints_and_writes_the_table_and_its_json(tmp_path, capsys):
+    """`report`: every benchmark's output; the Markdown printed, and with --out also written
+    there with its figures as JSON beside it."""
+    bench_hf.report("| a |\n|---|", None, {"x": 1})
+    assert "| a |" in capsys.readouterr().out and not list(tmp_path.iterdir())
+    out = tmp_path / "t.md"
+    bench_hf.report("| a |\n|---|", str(out), {"x": [1, 2]})
+    assert out.read_text() == "| a |\n|---|\n"
+    assert json.loads((tmp_path / "t.json").read_text()) == {"x": [1, 2]}
