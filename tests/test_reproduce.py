@@ -171,6 +171,16 @@ def test_unknown_reproduction_names_the_choices():
         main(["nosuchpaper"])
 
 
+def test_help_lists_every_paper_with_its_claim(capsys):
+    """`--help` (exit 0) and no name at all (a usage error, exit 2) print the papers."""
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in PAPERS:
+        assert f"  {name} " in out and get(name).short_claim in out
+    assert main([]) == 2
+    assert "usage: python -m experiments.reproduce NAME" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PAPERS))
 def test_quick(name, tmp_path):

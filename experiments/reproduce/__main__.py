@@ -36,10 +36,21 @@ def measure_extra(rep, args, name: str, done) -> dict:
     return extra
 
 
+def usage() -> str:
+    """The command line and each paper's one-line claim."""
+    lines = [f"  {n:15s} {get(n).short_claim}" for n in sorted(PAPERS)]
+    return ("usage: python -m experiments.reproduce NAME [--quick] [--help] [paper options]\n\n"
+            "NAME, one of:\n" + "\n".join(lines) + "\n\n"
+            "`python -m experiments.reproduce NAME --help` lists that paper's options.")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in PAPERS:
-        get(argv[0] if argv else "")  # exits naming the valid choices
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] not in PAPERS:
+        get(argv[0])  # exits naming the valid choices
     name, rest = argv[0], argv[1:]
     rep = get(name)
     parser = argparse.ArgumentParser(prog=f"python -m experiments.reproduce {name}")
