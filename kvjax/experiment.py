@@ -266,7 +266,16 @@ def build_policy(spec: RunSpec) -> tuple[Any, tuple[str, ...]]:
             f"unknown policy {spec.policy!r}; valid choices: {', '.join(sorted(POLICIES))}"
         )
     options, notes = dict(spec.policy_options), []
+    if spec.ratio is not None and (isinstance(spec.ratio, bool) or not isinstance(
+            spec.ratio, (int, float)) or not 0 <= spec.ratio < 1):
+        raise ConfigError(f"ratio={spec.ratio!r} must be in [0, 1) (the fraction of the "
+                          "prompt removed)")
     if spec.policy == BASELINE_POLICY:
+        # it ignores a budget, not a malformed one (the other policies check theirs)
+        if spec.budget is not None and (isinstance(spec.budget, bool) or not isinstance(
+                spec.budget, int) or spec.budget <= 0):
+            raise ConfigError(f"budget={spec.budget!r} must be a positive integer (slots per "
+                              "layer and kv head)")
         for key in ("budget", "ratio"):
             if getattr(spec, key) is not None:
                 notes.append(f"policy 'full' keeps every token: {key}={getattr(spec, key)} is "
@@ -277,10 +286,6 @@ def build_policy(spec: RunSpec) -> tuple[Any, tuple[str, ...]]:
         if spec.budget is not None:
             raise ConfigError(f"give budget= or ratio=, not both (got budget={spec.budget}, "
                               f"ratio={spec.ratio})")
-        if (isinstance(spec.ratio, bool) or not isinstance(spec.ratio, (int, float))
-                or not 0 <= spec.ratio < 1):
-            raise ConfigError(f"ratio={spec.ratio!r} must be in [0, 1) (the fraction of the "
-                              "prompt removed)")
         if options.get("mode", "evict") == "compress" or POLICIES[spec.policy].modes == (
                 "compress",):
             options["ratio"], options["budget"] = spec.ratio, None

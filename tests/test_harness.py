@@ -104,6 +104,8 @@ def test_hydra_rejects_unknown_keys_options_and_types(override, words):
      r"policy 'snapkv' cannot run mode='evict'.*its modes: compress"),
     (["policy=h2o", "budget=64", "ratio=0.5"], r"give budget= or ratio=, not both"),
     (["policy=h2o", "ratio=1.5"], r"ratio=1.5 must be in \[0, 1\)"),
+    (["policy=full", "ratio=1.5"], r"ratio=1.5 must be in \[0, 1\)"),
+    (["policy=full", "budget=-5"], r"budget=-5 must be a positive integer"),
     (["policy=h2o", "ratio=0.5", "task=needle"], r"ratio=0.5 with mode=evict needs one prompt"),
     (["model.name=nope"], r"unknown model 'nope'; registered models: smollm2-135m"),
     (["task.text_file=/no/such.txt"], r"no such file"),
