@@ -4,7 +4,8 @@ Writes into one directory (default reports/<sweep or all>/):
 
 * report.md: the Pareto plots, needle heatmaps and the full table, PNGs beside it;
 * report.html: the same, self-contained (PNGs embedded);
-* pareto_<task>_<model>_L<length>_<layout>_<mode>_<text>.png: one plot per group of comparable
+* pareto_<task>_<model>_L<length>_<layout>_<mode>_<text>.png (<model>: its name, plus 8 hex of
+  a digest of the rest of its identity): one plot per group of comparable
   runs, those of one (model, task, text sha256, length, cache layout, policy mode): quality
   against measured cache bytes, one line per policy (its Pareto frontier), one marker per kv
   format, each point labelled with its budget, the group's own full-cache baseline dashed;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import html
 import re
 import sys
@@ -85,14 +87,21 @@ class Group(NamedTuple):
     layout: str
     mode: str
 
+    def model_label(self) -> str:
+        """The model for headings: its identity with each hex digest cut to 12 characters."""
+        return re.sub(r"\b([0-9a-f]{12})[0-9a-f]{20,}\b", r"\1", self.model)
+
     def title(self) -> str:
         length = "/".join(map(str, self.length)) if isinstance(self.length, tuple) else self.length
-        return (f"{self.task} | {self.model} | length {length} | {self.layout} | {self.mode} | "
-                f"text {self.text[:8]}")
+        return (f"{self.task} | {self.model_label()} | length {length} | {self.layout} | "
+                f"{self.mode} | text {self.text[:8]}")
 
     def slug(self) -> str:
+        """A file name: the model's name, plus a digest of the rest of its identity if any."""
         length = "-".join(map(str, self.length)) if isinstance(self.length, tuple) else self.length
-        return _slug(f"pareto_{self.task}_{self.model}_L{length}_{self.layout}_{self.mode}_"
+        name, paren, _ = self.model.partition("(")
+        model = name + (f"-{hashlib.sha256(self.model.encode()).hexdigest()[:8]}" if paren else "")
+        return _slug(f"pareto_{self.task}_{model}_L{length}_{self.layout}_{self.mode}_"
                      f"{self.text[:8]}")
 
 

@@ -156,6 +156,27 @@ def with_fields(r, model="m", text="t1", length=1024, layout=None, mode=None, ba
     return r
 
 
+def test_a_real_model_identity_gives_a_short_heading_and_file_name():
+    """A real model's identity (format, 64-hex sha256, tokenizer) splits groups in full, but the
+    heading shows its digest cut to 12 and the file name a digest of the whole identity."""
+    sha = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    ident = {"name": "smollm2-135m", "format": "gguf", "sha256": sha,
+             "tokenizer": "gguf (in the file)"}
+    groups = []
+    for tokenizer in ("gguf (in the file)", "other.json"):
+        r = with_fields(rec("a", "full", "f32", None, 10.0, 1000))
+        r["point"]["model"] = ident | {"tokenizer": tokenizer}
+        groups.append(report.group_of(r))
+    g, other = groups
+    assert sha in g.model and g != other  # grouped by the whole identity
+    assert "sha256=b179c9523d0e," in g.title() and sha not in g.title()
+    assert re.fullmatch(r"pareto_perplexity_smollm2-135m-[0-9a-f]{8}_L1024_dense_evict_t1",
+                        g.slug())
+    assert g.slug() != other.slug()
+    plain = report.group_of(with_fields(rec("a", "full", "f32", None, 10.0, 1000), model="m"))
+    assert plain.slug() == "pareto_perplexity_m_L1024_dense_evict_t1" and "| m |" in plain.title()
+
+
 def test_only_comparable_runs_share_a_plot_each_with_its_own_baseline(tmp_path):
     """Model, task, text, length, layout and mode each split the runs into their own plot,
     whose dashed baseline is that group's full-cache value; budgets label the points."""
