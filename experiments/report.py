@@ -77,6 +77,21 @@ def select(records: list[dict], sweep: str | None = None, where: list[str] = ())
     return list(latest.values())
 
 
+def no_match(records: list[dict], sweep: str | None, where: list[str]) -> str:
+    """Why a filter left nothing: each condition with the values the store holds for it."""
+    def values(vals) -> str:
+        vals = sorted({"(none)" if v is None else str(v) for v in vals})
+        return ", ".join(vals[:20]) + (f" (+{len(vals) - 20} more)" if len(vals) > 20 else "")
+
+    parts = [f"--sweep {sweep!r}: the store's sweeps are {values(r.get('sweep') for r in records)}"
+             ] if sweep is not None else []
+    for w in where:
+        k = w.split("=", 1)[0].strip()
+        parts.append(f"--where {w!r}: the store's {k} values are "
+                     f"{values(lookup(r['point'], k) for r in records)}")
+    return f"no record of the {len(records)} in the store matches; " + "; ".join(parts)
+
+
 class Group(NamedTuple):
     """What makes runs comparable: same model, task, text, length, cache layout, policy mode."""
 
@@ -302,6 +317,8 @@ def build_report(store_path, out_dir, sweep: str | None = None, where=(), echo=p
     for p in problems:
         echo(f"warning: {store.path}: skipped {p}", file=sys.stderr)
     selected = select(records, sweep, list(where))
+    if records and not selected:
+        raise ValueError(no_match(records, sweep, list(where)))
     records = [r for r in selected if not is_failure(r)]
     failed = [r for r in selected if is_failure(r)]
     out = Path(out_dir)

@@ -156,6 +156,19 @@ def with_fields(r, model="m", text="t1", length=1024, layout=None, mode=None, ba
     return r
 
 
+def test_a_filter_that_matches_nothing_is_an_error_naming_the_values_held(store, tmp_path):
+    """--sweep/--where that select nothing from a non-empty store: exit 2 before any file is
+    written, with the values the store holds for each condition."""
+    out = tmp_path / "rep"
+    assert report.main(["--store", str(store.path), "--out", str(out),
+                        "--where", "policy.name=nosuch"]) == 2
+    assert not out.exists()
+    with pytest.raises(ValueError, match=r"no record of the 9 in the store matches; --sweep "
+                       r"'nope': the store's sweeps are other, s; --where 'kv_dtype=int4': "
+                       r"the store's kv_dtype values are bf16, f32, int2, int4"):
+        report.build_report(store.path, out, "nope", ["kv_dtype=int4"])
+
+
 def test_a_real_model_identity_gives_a_short_heading_and_file_name():
     """A real model's identity (format, 64-hex sha256, tokenizer) splits groups in full, but the
     heading shows its digest cut to 12 and the file name a digest of the whole identity."""
