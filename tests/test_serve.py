@@ -226,3 +226,26 @@ def test_serve_task_workload_and_plan_errors():
         get_task("serve", followup=1.5)
     with pytest.raises(ConfigError, match="too short for the prompt's fixed parts"):
         plan(spec(task={"prompt_min": 100, "prompt_max": 120}))
+
+
+def test_the_run_table_shows_the_serving_figures(tmp_path):
+    """`python run.py task=serve` prints throughput, latency percentiles and the pool under its
+    accuracy, each from the record's metrics (the harness on the tiny model)."""
+    from kvjax.experiment import ModelSpec, RunSpec, SpeedSpec, WandbSpec, run
+    from kvjax.tasks import get_task
+
+    lines = []
+    task = get_task("serve", n_requests=3, prompt_min=340, prompt_max=360, new_min=7,
+                    new_max=9, followup=0.0, pool_mib=1.0)
+    spec = RunSpec(task=task, model=ModelSpec("tiny", 0, (("max_seq_len", 1024),)),
+                   results=str(tmp_path / "r.jsonl"), wandb=WandbSpec(mode="disabled"),
+                   speed=SpeedSpec(prompt=0), progress=False)
+    out = run(spec, tmp_path / "run", echo=lines.append)
+    m = out.record["metrics"]
+    rows = {ln.split("  ")[0]: ln for ln in lines[0].splitlines()[2:]}
+    assert list(rows)[:5] == ["accuracy", "throughput", "TTFT p50 / p95", "TPOT p50 / p95",
+                              "pool"]
+    assert f"{m['throughput_tok_s']:.1f} tok/s  {m['generated']} tokens in" in rows["throughput"]
+    assert f"{m['ttft_p50']:.2f} / {m['ttft_p95']:.2f} s" in rows["TTFT p50 / p95"]
+    assert f"{m['tpot_p50'] * 1e3:.0f} / {m['tpot_p95'] * 1e3:.0f} ms" in rows["TPOT p50 / p95"]
+    assert f"{m['pool_bytes'] / 2**20:,.2f} MiB  {m['cache_rows']} rows;" in rows["pool"]

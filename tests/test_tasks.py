@@ -142,6 +142,11 @@ def test_agreement_full_vs_itself_and_vs_bf16(tiny):
     assert bf16.metrics["top1"] > 0.9
     assert bf16.metrics["perplexity_full"] == pytest.approx(same.metrics["perplexity"], rel=1e-5)
     assert bf16.arrays["kl"].shape == (64,) and bf16.arrays["nll"].shape == (63,)
+    rows = {r[0]: r for r in TASKS["agreement"].table_rows(bf16.metrics)}
+    assert rows["top-1 agreement"][1] == f"{bf16.metrics['top1']:.4f}"
+    assert rows["perplexity"][1:] == (f"{bf16.metrics['perplexity']:.4f}", (
+        f"full cache {bf16.metrics['perplexity_full']:.4f} on the same tokens"))
+    assert TASKS["perplexity"].table_rows(same.metrics) == []  # its one number is the metric
 
 
 def test_passkey_prompt_exact_length_depth_and_chat_template():

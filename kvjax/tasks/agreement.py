@@ -13,7 +13,7 @@ import numpy as np
 
 from kvjax.cache import KVCache
 from kvjax.policies import get_policy
-from kvjax.tasks.base import TaskContext, TaskResult, agreement_chunk, nll_chunk, register
+from kvjax.tasks.base import TaskContext, TaskResult, agreement_chunk, fmt, nll_chunk, register
 from kvjax.tasks.streaming import TextTask, running_mean, stream_text
 
 
@@ -26,6 +26,15 @@ class Agreement(TextTask):
     metric = "kl"
     higher_is_better = False
     length: int = 512
+
+    @staticmethod
+    def table_rows(m: dict) -> list[tuple[str, str, str]]:
+        return [
+            ("top-1 agreement", fmt(m.get("top1"), ".4f"),
+             "share of positions whose most likely token is the full cache's"),
+            ("perplexity", fmt(m.get("perplexity"), ".4f"),
+             f"full cache {fmt(m.get('perplexity_full'), '.4f')} on the same tokens"),
+        ]
 
     def run(self, ctx: TaskContext) -> TaskResult:
         ref = None

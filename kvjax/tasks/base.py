@@ -98,6 +98,12 @@ class Task:
         build for `seed`) with this tokenizer, e.g. a length below the prompt's fixed parts;
         run before the model loads."""
 
+    @staticmethod
+    def table_rows(metrics: dict) -> list[tuple[str, str, str]]:
+        """(label, value, note) rows that `python run.py`'s table prints under the task's metric:
+        the task's other headline numbers, from its record's metrics."""
+        return []
+
     def run(self, ctx: TaskContext) -> TaskResult:
         raise NotImplementedError
 
@@ -105,6 +111,11 @@ class Task:
         """One result per policy (the context's policy replaced). Prompt tasks override it to
         read each prompt once for every compress-mode policy (`generate_many`)."""
         return [self.run(dataclasses.replace(ctx, policy=p)) for p in policies]
+
+
+def fmt(x, spec: str, scale: float = 1.0) -> str:
+    """A table value: x * scale formatted, or "n/a" when missing or NaN."""
+    return "n/a" if x is None or math.isnan(x) else format(x * scale, spec)
 
 
 def check_positive(task: Task, **values) -> None:

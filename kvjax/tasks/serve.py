@@ -27,7 +27,7 @@ from kvjax.cache import get_layout
 from kvjax.formats import get_format
 from kvjax.policies import get_policy
 from kvjax.serve import ModelRunner, Server, Turn, percentiles
-from kvjax.tasks.base import Task, TaskContext, TaskResult, check_positive, register
+from kvjax.tasks.base import Task, TaskContext, TaskResult, check_positive, fmt, register
 from kvjax.tasks.passkey import ANSWER, INTRO, passkey_prompt
 from kvjax.tasks.retrieval import prompt_head, random_key
 
@@ -75,6 +75,22 @@ class Serve(Task):
     offload_after: float | None = None
     digits: int = 5
     followup_tokens: int | None = None  # set by `resolve`: a follow-up turn's length
+
+    @staticmethod
+    def table_rows(m: dict) -> list[tuple[str, str, str]]:
+        pages = f", {m['pool_pages']} pages" if m.get("pool_pages") is not None else ""
+        load = (f"{m.get('generated')} tokens in {fmt(m.get('makespan_s'), '.1f')} s; "
+                f"{m.get('turns')} turns, {m.get('cancelled')} cancelled")
+        ttft = f"{fmt(m.get('ttft_p50'), '.2f')} / {fmt(m.get('ttft_p95'), '.2f')} s"
+        tpot = f"{fmt(m.get('tpot_p50'), '.0f', 1e3)} / {fmt(m.get('tpot_p95'), '.0f', 1e3)} ms"
+        pool = (f"{m.get('cache_rows')} rows{pages}; at most {m.get('peak_sessions')} sessions "
+                "held at once")
+        return [
+            ("throughput", f"{fmt(m.get('throughput_tok_s'), '.1f')} tok/s", load),
+            ("TTFT p50 / p95", ttft, "arrival to first token (queueing + prefill)"),
+            ("TPOT p50 / p95", tpot, "per output token after the first"),
+            ("pool", f"{fmt(m.get('pool_bytes'), ',.2f', 2.0**-20)} MiB", pool),
+        ]
 
     def seq_len(self) -> int:
         turn = FOLLOWUP_ROOM if self.followup_tokens is None else self.followup_tokens
