@@ -975,7 +975,7 @@ def format_table(record: dict) -> str:
     rows = [
         (m["metric"], _num(m["value"]),
          f"full cache {_num(m['baseline'])}, delta {_num(m['delta'], '+.4f')}"),
-        *TASKS[pt["task"]["name"]].table_rows(m),
+        *TASKS[pt["task"]["name"]].table_rows(m, pt["task"]),
         ("cache bytes (measured)", _fmt_bytes(c["total_bytes"]),
          f"every buffer; k+v incl. scales {_fmt_bytes(c['kv_bytes'])}"),
         ("cache bytes (closed form)", _fmt_bytes(c.get("closed_form_bytes")),

@@ -254,9 +254,14 @@ def test_qa_runs_end_to_end_on_the_tiny_model(tmp_path):
         spec = RunSpec(task=get_task("qa", file=path, max_new_tokens=4, batch=3,
                                      query_aware=aware), policy="tova",
                        policy_options=(("mode", "compress"),), ratio=0.5, **common)
-        out = experiment.run(spec, tmp_path / f"run{aware}", echo=lambda *a: None)
+        lines = []
+        out = experiment.run(spec, tmp_path / f"run{aware}", echo=lines.append)
         m = out.record["metrics"]
         assert set(m["by_category"]) == {"x", "y", "all"} and m["n_samples"] == 3
+        table = {ln.split("  ")[1] if ln.startswith("  ") else ln.split("  ")[0]: ln
+                 for ln in lines[0].splitlines()[2:]}  # the printed table, by row name
+        for cat, c in m["by_category"].items():
+            assert f"{c['match_all']:.4f}  match_all, {c['n']} samples" in table[cat]
         samples = json.loads((tmp_path / f"run{aware}" / "samples.json").read_text())
         assert [s["line"] for s in samples] == [1, 2, 3] and samples[0]["id"] == "s1"
         for s in samples:

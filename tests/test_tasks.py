@@ -142,11 +142,11 @@ def test_agreement_full_vs_itself_and_vs_bf16(tiny):
     assert bf16.metrics["top1"] > 0.9
     assert bf16.metrics["perplexity_full"] == pytest.approx(same.metrics["perplexity"], rel=1e-5)
     assert bf16.arrays["kl"].shape == (64,) and bf16.arrays["nll"].shape == (63,)
-    rows = {r[0]: r for r in TASKS["agreement"].table_rows(bf16.metrics)}
+    rows = {r[0]: r for r in TASKS["agreement"].table_rows(bf16.metrics, {})}
     assert rows["top-1 agreement"][1] == f"{bf16.metrics['top1']:.4f}"
     assert rows["perplexity"][1:] == (f"{bf16.metrics['perplexity']:.4f}", (
         f"full cache {bf16.metrics['perplexity_full']:.4f} on the same tokens"))
-    assert TASKS["perplexity"].table_rows(same.metrics) == []  # its one number is the metric
+    assert TASKS["perplexity"].table_rows(same.metrics, {}) == []  # its one number is the metric
 
 
 def test_passkey_prompt_exact_length_depth_and_chat_template():
@@ -186,6 +186,10 @@ def test_passkey_and_needle_run_with_eviction(tiny):
     grid = res.metrics["grid"]
     assert grid["lengths"] == [300, 400] and grid["depths"] == [0.0, 1.0]
     assert np.asarray(grid["accuracy"]).shape == (2, 2) and len(res.rows) == 4
+    (row,) = TASKS["needle"].table_rows(res.metrics, {})
+    by_len = np.asarray(grid["accuracy"]).mean(0)
+    assert row[0] == "accuracy by length"
+    assert row[2].startswith(f"300: {by_len[0]:.2f}, 400: {by_len[1]:.2f} (mean over depths")
 
 
 def test_batched_retrieval_equals_one_prompt_at_a_time(tiny):

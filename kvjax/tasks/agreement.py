@@ -28,7 +28,7 @@ class Agreement(TextTask):
     length: int = 512
 
     @staticmethod
-    def table_rows(m: dict) -> list[tuple[str, str, str]]:
+    def table_rows(m: dict, options: dict) -> list[tuple[str, str, str]]:
         return [
             ("top-1 agreement", fmt(m.get("top1"), ".4f"),
              "share of positions whose most likely token is the full cache's"),

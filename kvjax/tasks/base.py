@@ -99,9 +99,9 @@ class Task:
         run before the model loads."""
 
     @staticmethod
-    def table_rows(metrics: dict) -> list[tuple[str, str, str]]:
+    def table_rows(metrics: dict, options: dict) -> list[tuple[str, str, str]]:
         """(label, value, note) rows that `python run.py`'s table prints under the task's metric:
-        the task's other headline numbers, from its record's metrics."""
+        the task's other headline numbers, from its record's metrics and task options."""
         return []
 
     def run(self, ctx: TaskContext) -> TaskResult:

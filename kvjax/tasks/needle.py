@@ -74,6 +74,14 @@ class Needle(RetrievalTask):
     chunk: int | None = None  # prefill chunk; None: each prompt in one forward
     text_file: str | None = None
 
+    @staticmethod
+    def table_rows(m: dict, options: dict) -> list[tuple[str, str, str]]:
+        g = m.get("grid") or {}
+        by_len = [f"{n}: {sum(col) / len(col):.2f}"
+                  for n, col in zip(g.get("lengths", ()), zip(*g.get("accuracy", ())))]
+        return [("accuracy by length", "", ", ".join(by_len) + " (mean over depths; the report "
+                 "draws the depth x length grid)")] if by_len else []
+
     def seq_len(self) -> int:
         return max(self.lengths) + self.new_tokens
 

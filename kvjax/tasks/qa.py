@@ -40,6 +40,7 @@ from kvjax.tasks.base import (
     check_chunk,
     check_positive,
     check_query_aware,
+    fmt,
     register,
 )
 
@@ -207,6 +208,16 @@ class QA(Task):
     batch: int = 4
     chunk: int | None = None  # prefill chunk; None: each context in one forward
     prompt_tokens: int | None = None  # room for a prompt; null: counted from the file
+
+    @staticmethod
+    def table_rows(m: dict, options: dict) -> list[tuple[str, str, str]]:
+        scorer = options.get("scorer", "match_all")
+        se = m.get("score_se")
+        rows = [("score std. error", fmt(se, ".4f"), f"of the mean of {scorer} over categories")]
+        cats = m.get("by_category") or {}
+        for cat, c in cats.items() if len(cats) > 1 else ():
+            rows.append((f"  {cat}", fmt(c.get(scorer), ".4f"), f"{scorer}, {c.get('n')} samples"))
+        return rows
 
     def seq_len(self) -> int:
         if self.prompt_tokens is None:

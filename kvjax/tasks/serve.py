@@ -77,7 +77,7 @@ class Serve(Task):
     followup_tokens: int | None = None  # set by `resolve`: a follow-up turn's length
 
     @staticmethod
-    def table_rows(m: dict) -> list[tuple[str, str, str]]:
+    def table_rows(m: dict, options: dict) -> list[tuple[str, str, str]]:
         pages = f", {m['pool_pages']} pages" if m.get("pool_pages") is not None else ""
         load = (f"{m.get('generated')} tokens in {fmt(m.get('makespan_s'), '.1f')} s; "
                 f"{m.get('turns')} turns, {m.get('cancelled')} cancelled")
