@@ -19,7 +19,6 @@ import datetime
 import functools
 import hashlib
 import json
-import math
 import os
 import platform
 import subprocess
@@ -49,6 +48,7 @@ from kvjax.results import (
     to_jsonable,
 )
 from kvjax.tasks import TASKS, Task, TaskContext, TaskResult
+from kvjax.tasks.base import fmt
 from kvjax.tasks.streaming import ALL, TextTask
 from kvjax.tasks.text import (
     DEFAULT_SOURCE,
@@ -954,10 +954,6 @@ def _fmt_bytes(n) -> str:
     return str(n)
 
 
-def _num(x, spec=".4f") -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
 def _baseline_note(m: dict, t: dict) -> str:
     src = m.get("baseline_source")
     if src == "computed":
@@ -973,9 +969,9 @@ def format_table(record: dict) -> str:
     opts = ", ".join(f"{k}={v}" for k, v in pol.items() if k != "name" and v is not None)
     task = ", ".join(f"{k}={v}" for k, v in pt["task"].items() if k != "name" and v is not None)
     rows = [
-        (m["metric"], _num(m["value"]),
-         f"full cache {_num(m['baseline'])}, delta {_num(m['delta'], '+.4f')}"),
-        *TASKS[pt["task"]["name"]].table_rows(m, pt["task"]),
+        (m["metric"], fmt(m["value"], ".4f"),
+         f"full cache {fmt(m['baseline'], '.4f')}, delta {fmt(m['delta'], '+.4f')}"),
+        *TASKS.get(pt["task"]["name"], Task).table_rows(m, pt["task"]),
         ("cache bytes (measured)", _fmt_bytes(c["total_bytes"]),
          f"every buffer; k+v incl. scales {_fmt_bytes(c['kv_bytes'])}"),
         ("cache bytes (closed form)", _fmt_bytes(c.get("closed_form_bytes")),
@@ -1000,7 +996,7 @@ def format_table(record: dict) -> str:
         rows += [
             ("prefill", f"{t['prefill_s']:.3f} s",
              f"{t['prefill_tokens']} tokens; compile {t['prefill_compile_s']:.1f} s"),
-            ("decode", f"{_num(t['decode_tok_s'], '.1f')} tok/s",
+            ("decode", f"{fmt(t['decode_tok_s'], '.1f')} tok/s",
              f"{t['decode_tokens']} tokens; compile {t['decode_compile_s']:.1f} s"),
         ]
     rows += [
