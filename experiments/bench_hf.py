@@ -300,12 +300,18 @@ def parse_args(argv=None):
 
 def parse_kv_spec(spec: str, flag: str = "--kv-extra") -> tuple[str, int, str, type]:
     """A cache variant POLICY:BUDGET:FORMAT[:all-slots] -> (policy, budget, format, cache
-    class: `KVCache`, or `AllSlots` with the suffix); a ValueError names the flag and spec."""
+    class: `KVCache`, or `AllSlots` with the suffix); a ValueError names the flag and spec,
+    and an unknown policy or format the valid ones (so scripts check before any work)."""
     parts = spec.split(":")
     if (len(parts) not in (3, 4) or not parts[1].isdigit() or int(parts[1]) < 1
             or parts[3:] not in ([], [ALL_SLOTS])):
         raise ValueError(f"{flag} {spec!r}: expected POLICY:BUDGET:FORMAT or "
                          f"POLICY:BUDGET:FORMAT:{ALL_SLOTS}, e.g. h2o:512:int4")
+    try:
+        get_policy(parts[0], budget=int(parts[1]))
+        get_format(parts[2])
+    except ValueError as e:
+        raise ValueError(f"{flag} {spec!r}: {e}") from None
     return parts[0], int(parts[1]), parts[2], AllSlots if parts[3:] else KVCache
 
 
@@ -542,6 +548,7 @@ def report(text: str, out: str | None, figures: dict) -> None:
     print()
     print(text)
     if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w") as f:
             f.write(text + "\n")
         write_json(json_path(out), figures)

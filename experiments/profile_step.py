@@ -110,11 +110,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None, help="also write the table here (and FILE.json)")
     a = ap.parse_args(argv)
-    try:
+    try:  # names checked before the model loads
         specs = {s: parse_kv_spec(s, "--specs") for s in a.specs}
-        for policy, budget, fmt, _ in specs.values():  # names checked before the model loads
-            get_policy(policy, budget=budget)
-            get_format(fmt)
     except ValueError as e:
         ap.error(str(e))
     if min(a.context, a.steps, a.rounds) < 1:

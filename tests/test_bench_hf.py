@@ -97,7 +97,8 @@ def test_flags():
     assert a.contexts == [64] and a.hf_threads == [2] and len(a.kv_extra) == 2
     for bad in (["--steps", "0"], ["--contexts", "0"], ["--hf-threads", "0"], ["--prompt", "0"],
                 ["--kv-extra", "h2o:x:int4"], ["--kv-extra", "h2o"],
-                ["--kv-extra", "h2o:512:int4:all"]):
+                ["--kv-extra", "h2o:512:int4:all"], ["--kv-extra", "nosuch:512:int4"],
+                ["--kv-extra", "h2o:512:int3"]):
         with pytest.raises(SystemExit):
             bench_hf.parse_args(bad)
 
@@ -269,3 +270,5 @@ def test_report_prints_and_writes_the_table_and_its_json(tmp_path, capsys):
     bench_hf.report("| a |\n|---|", str(out), {"x": [1, 2]})
     assert out.read_text() == "| a |\n|---|\n"
     assert json.loads((tmp_path / "t.json").read_text()) == {"x": [1, 2]}
+    bench_hf.report("| b |", str(tmp_path / "new" / "dir" / "t.md"), {})  # its folder is made
+    assert (tmp_path / "new" / "dir" / "t.md").read_text() == "| b |\n"

@@ -52,5 +52,10 @@ def test_specs_and_table():
     for bad in ("h2o:512", "h2o:x:int4", "h2o:0:int4"):
         with pytest.raises(ValueError, match="--specs .*POLICY:BUDGET:FORMAT"):
             parse_kv_spec(bad, "--specs")
+    with pytest.raises(ValueError, match="--specs 'nosuch:512:int4': unknown policy 'nosuch'; "
+                       "valid policies: .*h2o"):
+        parse_kv_spec("nosuch:512:int4", "--specs")
+    with pytest.raises(ValueError, match="--specs 'h2o:512:int3': unknown kv format 'int3'"):
+        parse_kv_spec("h2o:512:int3", "--specs")
     t = P.table({"a": [{"policy": 1.0, "other": 3.0}, {"policy": 2.0, "other": 5.0}]})
     assert "| a | 5.50 | 1.50 | 4.00 |" in t and t.startswith("| spec | total | policy | other |")
