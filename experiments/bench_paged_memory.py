@@ -24,6 +24,7 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -227,8 +228,8 @@ def main(argv=None):
     text = "\n".join(lines)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
     return 0
 
 

@@ -179,6 +179,21 @@ def test_help_lists_every_paper_with_its_claim(capsys):
         assert f"  {name} " in out and get(name).short_claim in out
     assert main([]) == 2
     assert "usage: python -m experiments.reproduce NAME" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="NAME comes first: python -m experiments.reproduce "
+                       "h2o --quick"):
+        main(["--quick", "h2o"])
+
+
+def test_a_bad_paper_option_is_one_line_before_any_point_runs(tmp_path, capsys, monkeypatch):
+    """A setting the harness refuses (found when every point is planned) exits 2 with its
+    message, no traceback, before any point executes."""
+    from experiments.reproduce import common
+
+    monkeypatch.setattr(common, "execute", lambda *a, **k: pytest.fail("a point ran"))
+    assert main(["streamingllm", "--quick", "--windows", "-4", "--results",
+                 str(tmp_path / "r.jsonl"), "--wandb", "disabled"]) == 2
+    assert "error: task 'perplexity_recompute': window=-4 must be a positive integer" in (
+        capsys.readouterr().err)
 
 
 @pytest.mark.slow

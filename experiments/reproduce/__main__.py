@@ -15,6 +15,7 @@ from pathlib import Path
 
 from experiments.reproduce import PAPERS, get
 from experiments.reproduce.common import DOCS, run_points, write_doc
+from kvjax.experiment import ConfigError
 from kvjax.results import atomic_write_text
 
 
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0] not in PAPERS:
+        named = [a for a in argv if a in PAPERS]
+        if argv[0].startswith("-") and named:
+            raise SystemExit(f"the paper's NAME comes first: python -m experiments.reproduce "
+                             f"{named[0]} {' '.join(a for a in argv if a != named[0])}")
         get(argv[0])  # exits naming the valid choices
     name, rest = argv[0], argv[1:]
     rep = get(name)
@@ -72,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.results).parent / "quick-docs" if args.quick else DOCS)
     t = time.perf_counter()
     print(f"{name}: {'quick' if args.quick else 'full'} sweep -> {args.results}")
-    done = run_points(rep.points(args))
+    try:
+        done = run_points(rep.points(args))
+    except ConfigError as e:  # a bad setting, found when the points are planned
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     extra = measure_extra(rep, args, name, done)
     wall = time.perf_counter() - t
     if args.quick:
