@@ -173,7 +173,7 @@ def section_speed(cfg, params, budget: int, tokens: int, reps: int) -> list[str]
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--budgets", nargs="+", type=int, default=[64])
     ap.add_argument("--tokens", type=int, default=1024)
@@ -183,6 +183,22 @@ def main(argv=None) -> None:
                     help="tokens fed one by one after the compressed prompt (section prompt)")
     ap.add_argument("--out", help="also write the Markdown to this file")
     args = ap.parse_args(argv)
+    for flag, value, least in (("--tokens", args.tokens, 2), ("--reps", args.reps, 1),
+                               ("--prompt", args.prompt, 1), ("--continue", args.cont, 1)):
+        if value < least:
+            ap.error(f"{flag} must be >= {least}, got {value}")
+    # (cache length, budgets) of each section: every budget is checked before the model loads
+    sizes = {"bytes": (2048, args.budgets), "ppl": (args.tokens, args.budgets),
+             "prompt": (args.prompt + args.cont + 1, args.budgets),
+             "speed": (args.tokens + args.reps + 4, args.budgets[:1])}
+    for section in args.only:
+        max_len, budgets = sizes[section]
+        for b in budgets:
+            for name, opts in PAIRS + PROMPT_POLICIES:
+                try:
+                    make(name, b, opts).validate(max_len)
+                except ValueError as e:
+                    ap.error(f"--budgets {b} (section {section}): {e}")
     lines = [header("bench_adakv", argv)]
     cfg, params = load_real()
     if "bytes" in args.only:

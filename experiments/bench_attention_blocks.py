@@ -34,6 +34,7 @@ from experiments.bench_formats import emit, header
 from kvjax.attention import MASKED, _sum_groups, attention
 
 K, G, E, LAYERS = 3, 3, 64, 30  # SmolLM2-135M
+GROUP_SUM_SHAPES = ("128x384", "256x512", "512x1536")  # --group-sum's default TxS
 
 
 def online_softmax(bq: int, bk: int, q, k, v, pos):
@@ -114,10 +115,10 @@ def interleaved(fns: dict, args, reps: int) -> dict[str, float]:
     return {n: float(np.median(ts)) for n, ts in times.items()}
 
 
-def prefill_ab(tokens: list[int], reps: int, blocks: str) -> list[str]:
+def prefill_ab(tokens: list[int], reps: int, blocks: tuple[int, int]) -> list[str]:
     """The real model's prefill of `tokens` into an empty `full` f32 cache with kvjax's
-    attention and with `online_attention` (`blocks`: "QxK") in its place, interleaved (logits
-    checked first)."""
+    attention and with `online_attention` (`blocks`: (queries, keys)) in its place,
+    interleaved (logits checked first)."""
     import kvjax.cache as cache_mod
     from experiments.bench_formats import load_real
     from kvjax.formats import get_format
@@ -130,7 +131,7 @@ def prefill_ab(tokens: list[int], reps: int, blocks: str) -> list[str]:
     cache = cache_mod.init_cache(cfg, 1, get_policy("full"), get_format("f32"), T)
     last = jnp.asarray([T - 1], jnp.int32)
     kvjax_attn, fns, logits = cache_mod.attention, {}, {}
-    bq, bk = (int(x) for x in blocks.split("x"))
+    bq, bk = blocks
     online = f"online softmax, {bq} x {bk} blocks"
     for name, attn in [("kvjax.attention", kvjax_attn), (online, online_attention(bq, bk))]:
         fn = jax.jit(lambda p, t, c: forward(p, t, c, cfg, logits_at=last, fresh=True)[0])
@@ -152,7 +153,7 @@ def prefill_ab(tokens: list[int], reps: int, blocks: str) -> list[str]:
     return lines
 
 
-def group_sum(shapes: list[str], reps: int) -> list[str]:
+def group_sum(shapes: list[tuple[int, int]], reps: int) -> list[str]:
     """The probabilities scoring policies read, summed over the G query heads of each kv group
     ([B, K, G, T, S] -> [B, K, T, S]), as one reduce over that middle axis and as
     `kvjax.attention._sum_groups`'s G - 1 adds (results checked equal first)."""
@@ -160,8 +161,7 @@ def group_sum(shapes: list[str], reps: int) -> list[str]:
                   f"({reps} interleaved repetitions, median, ms per layer)"), "",
              "| [B, K, G, T, S] | reduce over G | adds (kvjax) | speed-up |", "|---|---:|---:|---:|"]
     rng = np.random.default_rng(0)
-    for shape in shapes:
-        T, S = (int(x) for x in shape.split("x"))
+    for T, S in shapes:
         x = jnp.asarray(rng.random((1, K, G, T, S)), jnp.float32)
         fns = {"reduce": jax.jit(lambda x: jnp.sum(x * 0.5, axis=2)),
                "adds": jax.jit(lambda x: _sum_groups(x * 0.5))}
@@ -174,24 +174,49 @@ def group_sum(shapes: list[str], reps: int) -> list[str]:
     return lines
 
 
+def pair(flag: str, form: str, text: str) -> tuple[int, int]:
+    """"256x512" -> (256, 512); anything but two positive integers joined by x is a ValueError
+    naming `flag` and its `form` ("QxK")."""
+    try:
+        a, b = (int(v) for v in text.split("x"))
+    except ValueError:
+        a = b = 0
+    if a < 1 or b < 1:
+        raise ValueError(f"{flag} takes {form}, two positive integers joined by x (e.g. "
+                         f"256x512), got {text!r}")
+    return a, b
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--blocks", nargs="+", default=["256x256", "512x512", "128x256"],
+    ap.add_argument("--blocks", nargs="+", default=["256x256", "512x512", "128x256"], metavar="QxK",
                     help="online-softmax query x key block sizes")
     ap.add_argument("--prefill", type=int, nargs="*", default=[],
                     help="also time the real model's prefill of these many tokens")
     ap.add_argument("--prefill-reps", type=int, default=3)
-    ap.add_argument("--prefill-blocks", default="256x256", help="QxK blocks of the online softmax")
+    ap.add_argument("--prefill-blocks", default="256x256", metavar="QxK",
+                    help="query x key blocks of the online softmax in --prefill")
     ap.add_argument("--group-sum", nargs="*", metavar="TxS", default=None,
                     help="only time the group sum of T queries' probabilities over S keys "
                          "(default shapes: a 128-token chunk over a 256-slot cache, a 256-token "
                          "prompt, a 512-token chunk over 1024 slots)")
     ap.add_argument("--out", help="also write the Markdown to this file")
     args = ap.parse_args(argv)
-    if args.group_sum is not None:
-        shapes = args.group_sum or ["128x384", "256x512", "512x1536"]
+    for flag, values in (("--tokens", [args.tokens]), ("--reps", [args.reps]),
+                         ("--prefill", args.prefill), ("--prefill-reps", [args.prefill_reps])):
+        bad = [v for v in values if v < 1]
+        if bad:
+            ap.error(f"{flag} must be >= 1, got {bad[0]}")
+    try:  # every size before any timing
+        blocks = [pair("--blocks", "QxK", b) for b in args.blocks]
+        prefill_blocks = pair("--prefill-blocks", "QxK", args.prefill_blocks)
+        shapes = None if args.group_sum is None else [pair("--group-sum", "TxS", s) for s in
+                                                      args.group_sum or GROUP_SUM_SHAPES]
+    except ValueError as e:
+        ap.error(str(e))
+    if shapes is not None:
         emit([header("bench_attention_blocks", argv), *group_sum(shapes, args.reps)], args.out)
         return
     T = args.tokens
@@ -205,8 +230,7 @@ def main(argv=None) -> None:
     ours = "kvjax.attention (probabilities unused)"
     variants = {ours: jax.jit(
         lambda q, k, v: attention(q, k, v, pos, empty_k, empty_k, empty_pos, True)[0])}
-    for b in args.blocks:
-        bq, bk = (int(x) for x in b.split("x"))
+    for bq, bk in blocks:
         variants[f"online softmax, blocks {bq} queries x {bk} keys"] = jax.jit(
             lambda q, k, v, bq=bq, bk=bk: online_softmax(bq, bk, q, k, v, pos))
     ref = variants[ours](q, k, v)
@@ -232,7 +256,7 @@ def main(argv=None) -> None:
         tok = load_tokenizer("smollm2-135m")
         for n in args.prefill:
             lines += prefill_ab(encode_prefix(tok, default_text(), n), args.prefill_reps,
-                                args.prefill_blocks)
+                                prefill_blocks)
     emit(lines, args.out)
 
 

@@ -26,7 +26,7 @@ import jax
 
 import kvjax.generate
 from experiments.bench_hf import report, timed_rounds
-from kvjax.experiment import ModelSpec, build_format, git_info, load
+from kvjax.experiment import ModelSpec, build_format, git_info, load, load_tokenizer
 from kvjax.policies import get_policy
 from kvjax.tasks import TaskContext, get_task
 from kvjax.tasks.text import default_text
@@ -34,6 +34,7 @@ from kvjax.tasks.text import default_text
 DEFAULTS = {"passkey": {"length": 512, "n_samples": 8}, "needle": {"lengths": [512],
                                                                    "n_samples": 2}}
 
+MODEL = ModelSpec("smollm2-135m")
 
 PHASES = {"start": "prefill", "decode": "decode"}
 
@@ -68,13 +69,23 @@ def main(argv=None):
     if min(a.batches) < 1 or a.rounds < 1:
         ap.error("--batches and --rounds must be positive")
     opts = dict(DEFAULTS[a.task])
-    for kv in a.options:
-        k, _, v = kv.partition("=")
-        opts[k] = json.loads(v) if v[:1] in "[{0123456789-tf" else v
-    task = get_task(a.task, **opts)
-    model = load(ModelSpec("smollm2-135m"))
-    ctx = TaskContext(model.params, model.cfg, model.tokenizer, get_policy(a.policy),
-                      build_format(a.kv_dtype, {}), task.seq_len(), default_text())
+    try:  # the task (and its prompts: seed 0), policy and format, before the model loads
+        for kv in a.options:
+            k, eq, v = kv.partition("=")
+            if not (k and eq):
+                raise ValueError(f"task option {kv!r} is not key=value")
+            try:
+                opts[k] = json.loads(v) if v[:1] in "[{0123456789-tf" else v
+            except json.JSONDecodeError as e:
+                raise ValueError(f"task option {kv!r}: {v!r} is not JSON ({e})") from None
+        task = get_task(a.task, **opts)
+        policy, fmt = get_policy(a.policy), build_format(a.kv_dtype, {})
+        task.check_prompts(load_tokenizer(MODEL), default_text(), 0)
+    except (TypeError, ValueError) as e:  # ConfigError is a ValueError
+        ap.error(str(e))
+    model = load(MODEL)
+    ctx = TaskContext(model.params, model.cfg, model.tokenizer, policy, fmt, task.seq_len(),
+                      default_text())
     tasks = {b: dataclasses.replace(task, batch=b) for b in a.batches}
     spent = collections.Counter()
     time_phases(spent)

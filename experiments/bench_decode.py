@@ -37,18 +37,31 @@ def _time(fn, reps):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=None)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="registered model name or path "
+                    "(default %(default)s)")
+    ap.add_argument("--prompt", type=int, default=512,
+                    help="tokens prefilled before the timed decode (default %(default)s)")
+    ap.add_argument("--new", type=int, default=128,
+                    help="decode steps after the prompt, the first one compiling; at least 2 "
+                    "(default %(default)s)")
+    ap.add_argument("--context", type=int, default=1024,
+                    help="cached tokens of the cached-vs-recompute comparison "
+                    "(default %(default)s)")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="repetitions of each timing, best (or interleaved) taken "
+                    "(default %(default)s)")
+    ap.add_argument("--out", default=None, help="also write the Markdown table here")
     a = ap.parse_args(argv)
+    for flag, value, least in (("--prompt", a.prompt, 1), ("--new", a.new, 2),
+                               ("--context", a.context, 1), ("--reps", a.reps, 1)):
+        if value < least:  # --new: the timed steps are new - 1
+            ap.error(f"{flag} must be >= {least}, got {value}")
 
     cfg, params, tokenizer = load_model(a.model)
     params = to_device(params)
-    ids = np.asarray(encode_prefix(tokenizer, default_text(), a.context + a.new + 1))
+    ids = np.asarray(encode_prefix(tokenizer, default_text(),
+                                   max(a.prompt, a.context) + a.new + 1))
     fmt, full = get_format("f32"), get_policy("full")
     max_len = a.prompt + a.new
 

@@ -285,7 +285,7 @@ def section_speed(specs, context: int, reps: int, batch: int = 1) -> list[str]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--formats", nargs="+", help="format specs for ppl (f32 is always the "
                     "reference); default: every format and the main variants")
@@ -299,6 +299,16 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=1, help="rows of the speed section's decode")
     ap.add_argument("--out", help="also write the Markdown to this file")
     args = ap.parse_args(argv)
+    for flag, specs in (("--formats", args.formats or ()), ("--speed-formats", args.speed_formats)):
+        for spec in specs:  # every format, before the f32 reference or any other work
+            try:
+                parse_format(spec)
+            except ValueError as e:
+                ap.error(f"{flag} {spec}: {e} (specs: name[:option=value...])")
+    for flag in ("--ppl-tokens", "--ppl-chunk", "--context", "--reps", "--batch"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
     lines = [header("bench_formats", argv)]
     if "bytes" in args.only:
         lines += section_bytes() + [""]

@@ -167,11 +167,21 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=8, help="interleaved rounds")
     ap.add_argument("--only", nargs="*", help="labels to run (default: all)")
     args = ap.parse_args(argv)
+    for flag, value, least in (("--budget", args.budget, 64), ("--short", args.short, 64),
+                               ("--long", args.long, 64), ("--steps", args.steps, 1),
+                               ("--rounds", args.rounds, 1)):
+        if value < least:  # the full cases start 64 tokens below their capacity
+            ap.error(f"{flag} must be >= {least}, got {value}")
+    every = cases(args.budget, args.short, args.long)
+    labels = [c.label for c in every]
+    bad = [label for label in args.only or () if label not in labels]
+    if bad:
+        ap.error(f"--only: unknown label(s) {', '.join(map(repr, bad))}; valid labels: "
+                 f"{', '.join(map(repr, labels))}")
 
     cfg, params = load(args.model)
     fmt = get_format("f32")
-    todo = [c for c in cases(args.budget, args.short, args.long)
-            if not args.only or c.label in args.only]
+    todo = [c for c in every if not args.only or c.label in args.only]
     for c in todo:  # compile and warm every configuration first
         t0 = time.perf_counter()
         time_steps(params, cfg, filled(cfg, c, fmt), 1)

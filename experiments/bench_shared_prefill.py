@@ -38,17 +38,24 @@ def points(ratios) -> list:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--length", type=int, default=1024, help="passkey prompt tokens")
     ap.add_argument("--samples", type=int, default=4, help="prompts per point (one batch)")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds after the compile one")
     ap.add_argument("--out", default=None, help="also write the Markdown table here")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    try:  # the task checks --length and --samples (its prompts: seed 0) before the model loads
+        task = get_task("passkey", length=args.length, n_samples=args.samples, new_tokens=8)
+        tokenizer = load_tokenizer("smollm2-135m")
+        task.check_prompts(tokenizer, default_text(), 0)
+    except ValueError as e:
+        ap.error(str(e))
 
     cfg, params = load_real()
-    task = get_task("passkey", length=args.length, n_samples=args.samples, new_tokens=8)
-    ctx = TaskContext(params, cfg, load_tokenizer("smollm2-135m"), get_policy("full"),
-                      get_format("f32"), task.seq_len(), default_text())
+    ctx = TaskContext(params, cfg, tokenizer, get_policy("full"), get_format("f32"),
+                      task.seq_len(), default_text())
     pols = points(RATIOS)
     times = {"separate": [], "shared": []}
     answers, acc = {}, {}

@@ -164,6 +164,12 @@ def table(runs: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def is_commit(rev: str) -> bool:
+    """Whether `rev` names a commit of this repository (`git rev-parse --verify REV^{commit}`)."""
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet",
+                           f"{rev}^{{commit}}"], capture_output=True, check=False).returncode == 0
+
+
 def against(rev: str, warm: int, tmp: Path, overrides: list[str]) -> dict[str, list[dict]]:
     """Cold, then `warm` alternating warm runs of revision `rev` (a worktree) and this checkout."""
     def git(*args):
@@ -207,6 +213,8 @@ def main(argv=None):
         return child(overrides)
     if a.warm < 1:
         ap.error("--warm must be >= 1")
+    if a.against and not is_commit(a.against):  # else `git diff` fails as if REV differed
+        ap.error(f"--against {a.against}: unknown git revision (not a commit of {ROOT})")
     tmp = Path(tempfile.mkdtemp(prefix="kvjax-sweep-point-"))
     try:
         if a.against:

@@ -62,6 +62,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
     a = ap.parse_args(argv)
+    if min(a.tokens) < 1 or a.rounds < 1:
+        ap.error(f"--tokens and --rounds must be >= 1, got --tokens "
+                 f"{' '.join(map(str, a.tokens))} --rounds {a.rounds}")
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     emb = jax.random.normal(k[0], (V, D)) * 0.05
     rows = []

@@ -75,6 +75,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", default=list(DOCS), help="markdown files (repo-relative)")
     args = ap.parse_args(argv)
+    missing = [name for name in args.files if not (ROOT / name).is_file()]
+    if missing:  # before any example runs
+        ap.error(f"no such file: {', '.join(missing)} (names are relative to {ROOT})")
     for name in args.files:
         path = ROOT / name
         text = path.read_text(encoding="utf-8")

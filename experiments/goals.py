@@ -61,8 +61,13 @@ def runs_of(path: str) -> list[tuple[str, dict[str, float]]]:
     """[(run label, {goal: figure})] of one JSON file: a bench_hf run, or a bench_sweep_point
     file (one run per key that ends in 'warm': 'warm' itself, or an A/B file's versions)."""
     with open(path) as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
     stem = os.path.splitext(os.path.basename(path))[0]
+    if not isinstance(data, dict):
+        data = {}  # a JSON list or value: neither kind, said below
     if "rows" in data and "variants" in data:
         return [(stem, hf_figures(data))]
     warm = {k: v for k, v in data.items() if k.endswith("warm") and isinstance(v, list) and v}

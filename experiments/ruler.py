@@ -331,6 +331,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m", help="whose tokenizer sizes the prompts")
     ap.add_argument("--out", required=True, help="the JSONL file to write")
     args = ap.parse_args(argv)
+    if args.n < 1:
+        ap.error(f"--n must be >= 1 (samples per task and length), got {args.n}")
+    bad = [t for t in args.tasks or () if t not in TASKS]
+    if bad:  # before the tokenizer loads
+        ap.error(f"--tasks: unknown task(s) {', '.join(bad)}; valid choices: {', '.join(TASKS)}")
     from kvjax.experiment import ModelSpec, load_tokenizer
 
     try:

@@ -184,9 +184,13 @@ def write_doc(path: Path = DOC) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=DOC)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=DOC, help="the Markdown file to (re)write "
+                    "(default: docs/scale.md)")
     args = ap.parse_args(argv)
+    if args.out.is_dir():
+        ap.error(f"--out {args.out} is a directory; give the Markdown file to write")
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # before the table is computed
     write_doc(args.out)
     print(f"wrote {args.out}")
 

@@ -20,9 +20,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from kvjax.experiment import ModelSpec, RunSpec, SpeedSpec, WandbSpec, execute, plan
+from kvjax.experiment import ConfigError, ModelSpec, RunSpec, SpeedSpec, WandbSpec, execute, plan
 from kvjax.harness import set_xla_cache
 from kvjax.loading.hub import cache_root
+from kvjax.results import WANDB_MODES
 from kvjax.tasks.serve import Serve
 
 INT4 = (("key_mode", "token"),)  # the paged int4 codec reads whole tokens
@@ -66,9 +67,8 @@ def base_task(args) -> Serve:
     return Serve(**opts)
 
 
-def run_point(args, label, policy, budget, kv_dtype, kv_options, layout, task) -> dict:
-    task.validate()
-    p = plan(spec(args, policy, budget, kv_dtype, kv_options, layout, task))
+def run_point(args, label, p) -> dict:
+    """Execute planned point `p` (`label` names it in the output)."""
     run_dir = Path(args.runs) / p.key
     print(f"== {label}: point {p.key}", flush=True)
     out = execute(p, run_dir)
@@ -171,7 +171,7 @@ def sized_estimate() -> list[str]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", default="full")
     ap.add_argument("--budget", type=int, default=None)
     ap.add_argument("--kv-dtype", default="f32")
@@ -192,7 +192,7 @@ def main(argv=None) -> None:
     ap.add_argument("--results", default="results/serve.jsonl")
     ap.add_argument("--runs", default="results/serve_runs")
     ap.add_argument("--sweep", default="serve_sim")
-    ap.add_argument("--wandb", default="offline")
+    ap.add_argument("--wandb", default="offline", choices=WANDB_MODES)
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--estimate", action="store_true",
                     help="only the sized GPU estimate (no model run), into --doc if given")
@@ -205,16 +205,19 @@ def main(argv=None) -> None:
                             [f"<!-- written by `{command()}` -->", "", *lines])
         return
     set_xla_cache(str(cache_root() / "xla"))
-
-    task = base_task(args)
-    if not args.compare:
-        kv_options = INT4 if args.kv_dtype == "int4" and args.layout == "paged" else ()
-        points = [run_point(args, f"{args.policy} {args.kv_dtype} {args.layout}", args.policy,
-                            args.budget, args.kv_dtype, kv_options, args.layout, task)]
-    else:
-        points = [run_point(args, label, pol, budget, kv, opts, layout,
-                            dataclasses.replace(task, **over))
-                  for label, pol, budget, kv, opts, layout, over in ARMS]
+    try:  # every point is planned (policy, format, task checked) before any runs
+        task = base_task(args)
+        if not args.compare:
+            kv_options = INT4 if args.kv_dtype == "int4" and args.layout == "paged" else ()
+            arms = [(f"{args.policy} {args.kv_dtype} {args.layout}", args.policy, args.budget,
+                     args.kv_dtype, kv_options, args.layout, task)]
+        else:
+            arms = [(label, pol, budget, kv, opts, layout, dataclasses.replace(task, **over))
+                    for label, pol, budget, kv, opts, layout, over in ARMS]
+        plans = [(label, plan(spec(args, *point))) for label, *point in arms]
+    except ConfigError as e:
+        ap.error(str(e))
+    points = [run_point(args, label, p) for label, p in plans]
     for pt in points:
         pt["curves"] = load_curves(pt["run_dir"])
     lines = table(points)

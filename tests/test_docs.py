@@ -69,6 +69,13 @@ def test_rewrite_replaces_each_marked_block_with_its_commands_output():
         docs_examples.rewrite("<!-- docs_example: python run.py -->\n```\nx\n```\n", str)
 
 
+def test_a_missing_file_is_rejected_before_any_example_runs(capsys, monkeypatch):
+    monkeypatch.setattr(docs_examples, "run_command", lambda command: pytest.fail(command))
+    with pytest.raises(SystemExit) as e:
+        docs_examples.main(["docs/harness.md", "docs/nosuch.md"])
+    assert e.value.code == 2 and "no such file: docs/nosuch.md" in capsys.readouterr().err
+
+
 def test_ci_runs_the_readme_test_command_in_parallel():
     """.ci/run runs exactly the README's test command, and that command uses xdist."""
     readme = [ln for ln in README.splitlines() if ln.startswith('pip install -e ".[dev]" && ')]

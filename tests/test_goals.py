@@ -60,3 +60,9 @@ def test_goals_cli_writes_table_and_json(tmp_path, capsys):
     with pytest.raises(SystemExit):
         goals.main([str(other)])
     assert "neither a bench_hf JSON" in capsys.readouterr().err
+    for name, text in (("notjson.json", "{x"), ("list.json", "[1]")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit) as e:
+            goals.main([str(tmp_path / name)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"error: {tmp_path / name}: " in err

@@ -236,6 +236,18 @@ def test_ruler_rejects_unknown_tasks():
         ruler.generate(CHAR, [1024], 1, 0, ["qa_1"])
 
 
+@pytest.mark.parametrize("argv, msg", [(["--n", "0"], "--n must be >= 1 .*got 0"),
+                                       (["--tasks", "vt", "qa_1"],
+                                        "--tasks: unknown task.*qa_1; valid choices: niah_")])
+def test_ruler_cli_rejects_bad_counts_and_tasks_before_the_tokenizer(tmp_path, capsys, argv,
+                                                                     msg):
+    out = tmp_path / "ruler.jsonl"
+    with pytest.raises(SystemExit) as e:
+        ruler.main([*argv, "--out", str(out)])
+    assert e.value.code == 2 and re.search(msg, capsys.readouterr().err)
+    assert not out.exists()
+
+
 # ----------------------------------------------------------------------------- end to end
 
 

@@ -36,3 +36,14 @@ def test_the_doc_is_written_with_every_row(tmp_path):
     n = len(st.MODELS) * len(st.CONTEXTS) * len(st.BATCHES) * len(st.SETTINGS)
     assert len(rows) == n + len(st.MODELS)  # + the weights table
     assert "| Llama-3-8B | 32k | 1 | full bf16 | 4.0 | 4.0 | 0.5 | 0.5* |" in text
+
+
+def test_cli_makes_the_out_folder_first_and_rejects_a_directory(tmp_path, monkeypatch, capsys):
+    written = []
+    monkeypatch.setattr(st, "write_doc", lambda path: written.append(path.parent.is_dir()))
+    st.main(["--out", str(tmp_path / "new" / "deeper" / "scale.md")])
+    assert written == [True]
+    with pytest.raises(SystemExit) as e:
+        st.main(["--out", str(tmp_path)])
+    assert e.value.code == 2 and "is a directory" in capsys.readouterr().err
+    assert written == [True]
