@@ -187,14 +187,15 @@ def main(argv=None) -> None:
                                ("--prompt", args.prompt, 1), ("--continue", args.cont, 1)):
         if value < least:
             ap.error(f"{flag} must be >= {least}, got {value}")
-    # (cache length, budgets) of each section: every budget is checked before the model loads
-    sizes = {"bytes": (2048, args.budgets), "ppl": (args.tokens, args.budgets),
-             "prompt": (args.prompt + args.cont + 1, args.budgets),
-             "speed": (args.tokens + args.reps + 4, args.budgets[:1])}
+    # (cache length, budgets, policies) of each section: checked before the model loads
+    sizes = {"bytes": (2048, args.budgets, (("adakv", {}), ("h2o", {}))),
+             "ppl": (args.tokens, args.budgets, PAIRS),
+             "prompt": (args.prompt + args.cont + 1, args.budgets, PROMPT_POLICIES),
+             "speed": (args.tokens + args.reps + 4, args.budgets[:1], PAIRS[:2])}
     for section in args.only:
-        max_len, budgets = sizes[section]
+        max_len, budgets, policies = sizes[section]
         for b in budgets:
-            for name, opts in PAIRS + PROMPT_POLICIES:
+            for name, opts in policies:
                 try:
                     make(name, b, opts).validate(max_len)
                 except ValueError as e:

@@ -44,7 +44,7 @@ BAD = [
     ("bench_batch", ["length=1x"], r"task option 'length=1x': '1x' is not JSON",
      ["load", "load_tokenizer"]),
     ("bench_adakv", ["--budgets", "-5"],
-     r"--budgets -5 \(section bytes\): policy 'h2o': budget must be a positive integer",
+     r"--budgets -5 \(section bytes\): policy 'adakv': budget must be a positive integer",
      ["load_real"]),
     ("serve_sim", ["--tiny", "--policy", "nosuch"], r"unknown policy 'nosuch'; valid choices",
      ["execute"]),
