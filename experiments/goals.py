@@ -119,6 +119,7 @@ def main(argv=None):
         ap.error(str(e))
     print(table)
     if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:
             f.write(f"`python -m experiments.goals {' '.join(a.files)}`\n\n{table}")
         with open(os.path.splitext(a.out)[0] + ".json", "w") as f:

@@ -47,11 +47,11 @@ def test_goals_per_run_and_across_runs(tmp_path):
 
 def test_goals_cli_writes_table_and_json(tmp_path, capsys):
     run = hf_json(tmp_path / "run.json", 0.7, 0.04, 0.05)
-    out = tmp_path / "goals.md"
+    out = tmp_path / "new" / "goals.md"  # a folder made for it
     summary = goals.main([run, "--out", str(out)])
     assert "decode at 128 tokens" in capsys.readouterr().out
     assert out.read_text().startswith(f"`python -m experiments.goals {run}`")
-    assert json.loads((tmp_path / "goals.json").read_text()) == summary
+    assert json.loads((tmp_path / "new" / "goals.json").read_text()) == summary
     with pytest.raises(SystemExit):
         goals.main([str(tmp_path / "missing.json")])
     assert "no such file" in capsys.readouterr().err
