@@ -366,9 +366,10 @@ def plan(spec: RunSpec) -> Plan:
         )
     if spec.speed.prompt < 0 or spec.speed.new_tokens < 0:
         raise ConfigError(f"speed.prompt and speed.new_tokens must be >= 0, got {spec.speed}")
-    if spec.speed.prompt and spec.speed.new_tokens >= max_len:
+    if spec.speed.prompt and spec.speed.new_tokens + 1 >= max_len:  # + a prompt and its token
         raise ConfigError(
-            f"speed.new_tokens={spec.speed.new_tokens} does not fit the cache length {max_len}"
+            f"speed.new_tokens={spec.speed.new_tokens} does not fit the cache length {max_len} "
+            f"with a prompt; use speed.new_tokens <= {max_len - 2}"
         )
     try:
         task.check_prompts(tokenizer, text, spec.seed)
@@ -801,7 +802,8 @@ def _execute(plan_: Plan, store: ResultsStore, run_dir, echo, precomputed, git: 
                       plan_.layout)
     if precomputed is None:
         precomputed = shared_result(plan_, ctx, echo)
-    n_prompt = min(spec.speed.prompt, plan_.max_len - spec.speed.new_tokens)
+    # the probe decodes 1 + new_tokens after its prompt: all of it within max_len
+    n_prompt = min(spec.speed.prompt, plan_.max_len - spec.speed.new_tokens - 1)
     probe = spec.speed.prompt and n_prompt > 0
     if probe:
         prompt = encode_prefix(model.tokenizer, text, n_prompt)

@@ -740,3 +740,14 @@ def test_compress_points_of_a_sweep_share_one_prefill(tmp_path):
                 == {k: v for k, v in out.record["metrics"].items() if k not in drop}), n
         assert [r["answer"] for r in alone.result.rows] == [r["answer"] for r in out.result.rows]
 
+
+
+def test_the_speed_probe_fits_its_prompt_and_steps_in_max_len(tmp_path):
+    """The probe prefills a prompt and then decodes 1 + new_tokens tokens; a paged row may not
+    grow past max_len, so the prompt is cut to max_len - new_tokens - 1 (with the task's length
+    a multiple of the page size, one token more ran the pool out of pages)."""
+    spec = spec_of("model=tiny", "task.length=48", "task.chunk=16", "speed.prompt=64",
+                   "speed.new_tokens=2", "wandb.mode=disabled", "cache.layout=paged",
+                   "policy=window", "budget=16", tmp=tmp_path)
+    out = experiment.run(spec, tmp_path / "run", echo=lambda *a: None)
+    assert out.record["timings"]["prefill_tokens"] == 48 - 2 - 1
