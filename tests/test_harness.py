@@ -751,3 +751,14 @@ def test_the_speed_probe_fits_its_prompt_and_steps_in_max_len(tmp_path):
                    "policy=window", "budget=16", tmp=tmp_path)
     out = experiment.run(spec, tmp_path / "run", echo=lambda *a: None)
     assert out.record["timings"]["prefill_tokens"] == 48 - 2 - 1
+
+
+def test_policy_mode_composes_over_the_default_policy():
+    """Hydra validates a sweep's fixed overrides against the default config (policy=full) before
+    the swept policy replaces it: `-m policy=h2o,knorm policy.mode=compress` needs full.yaml to
+    have a mode. The full cache ignores it (the baseline of both modes)."""
+    cfg = cfg_of("policy.mode=compress")
+    assert cfg.policy.name == "full" and cfg.policy.mode == "compress"
+    p = plan(spec_of("model=tiny", "policy.mode=compress"))
+    assert p.policy.name == "full" and p.point == plan(spec_of("model=tiny")).point
+    assert cfg_of("policy=h2o", "policy.mode=compress").policy.mode == "compress"
