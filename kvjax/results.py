@@ -293,7 +293,7 @@ def summary_row(record: dict) -> dict:
         "task": pt["task"]["name"], "policy": pt["policy"]["name"],
         "kv_dtype": pt["kv_dtype"], "budget": pt["policy"].get("budget"),
         "metric": m["metric"], "value": m["value"], "baseline": m.get("baseline"),
-        "delta": m.get("delta"), "kv_bytes": c["kv_bytes"],
+        "delta": m.get("delta"), "kv_bytes": c["kv_bytes"], "total_bytes": c.get("total_bytes"),
         "closed_form_bytes": c["closed_form_bytes"], "compression": c["compression"],
         "prefill_s": t.get("prefill_s"), "decode_tok_s": t.get("decode_tok_s"),
         "key": record["key"],

@@ -255,3 +255,34 @@ def test_readme_names_the_report_path_the_cli_writes():
     named = set(re.findall(r"`(reports/[^`]*report\.md)`", readme))
     default = report.default_out(None) + "/report.md"
     assert named == {default}
+
+
+def test_the_runs_table_tells_apart_what_changes_the_numbers(tmp_path):
+    """Two runs that differ only in a policy preset's options, a format option, the ratio or
+    the task's length get rows that differ in those cells; measured and closed-form totals sit
+    side by side (kv_bytes is k+v only)."""
+    base = with_fields(rec("a", "snapkv", "int4", 64, 0.5, 100, task="needle", grid=GRID))
+    base["point"]["policy"] |= {"mode": "compress", "ratio": None, "window": 32, "kernel": 7,
+                                "pool": "max", "per_head": True}
+    base["point"]["format"] = {"name": "int4", "group": 64, "key_mode": "channel",
+                               "residual": 64, "value_group": 64}
+    base["cache"] |= {"total_bytes": 123, "closed_form_bytes": 123}
+    preset = json.loads(json.dumps(base)) | {"key": "b"}
+    preset["point"]["policy"] |= {"window": 64, "pool": "avg"}
+    token = json.loads(json.dumps(base)) | {"key": "c"}
+    token["point"]["format"]["key_mode"] = "token"
+    ratio = json.loads(json.dumps(base)) | {"key": "d"}
+    ratio["point"]["policy"] |= {"budget": None, "ratio": 0.25}
+    short = with_fields(json.loads(json.dumps(base)) | {"key": "e"}, length=512)
+    short["point"]["policy"], short["point"]["format"] = base["point"]["policy"], base["point"]["format"]
+    rows = report.markdown_table([base, preset, token, ratio, short]).splitlines()
+    cols = [c.strip() for c in rows[0].strip("|").split("|")]
+    cells = {r.split("|")[cols.index("key") + 1].strip(): [c.strip() for c in r.strip("|").split("|")]
+             for r in rows[2:]}
+    col = lambda key, name: cells[key][cols.index(name)]
+    assert col("a", "policy") == "snapkv" and col("a", "kv_dtype") == "int4"
+    assert col("b", "policy") == "snapkv(pool=avg, window=64)"
+    assert col("c", "kv_dtype") == "int4(key_mode=token)"
+    assert col("d", "ratio") == "0.25" and col("a", "ratio") == ""
+    assert col("e", "length") == "512" and col("a", "length") == "1,024"
+    assert col("a", "total_bytes") == col("a", "closed_form_bytes") == "123"
