@@ -343,6 +343,15 @@ def plan(spec: RunSpec) -> Plan:
             f"task {task.name!r} needs {max_len} tokens, above the model's context length "
             f"{cfg.max_seq_len}; shorten the task (or beyond_context=True to measure past it)"
         )
+    if policy.mode == "compress" and not (task.has_prompt and "compress" in task.modes):
+        ok = sorted(n for n, c in _task_classes().items() if c.has_prompt and "compress" in c.modes)
+        why = ("has no prompt" if not task.has_prompt else
+               "runs its policy in mode=evict only (it decodes as requests arrive)")
+        raise ConfigError(
+            f"policy {policy.name!r} runs mode=compress (it selects its cache once after a "
+            f"prompt), and task {task.name!r} {why}; use a task that compresses a prompt "
+            f"({', '.join(ok)}) or a policy in mode=evict"
+        )
     if (policy.name != BASELINE_POLICY and policy.ratio is None and policy.budget is not None
             and policy.budget > need):
         raise ConfigError(
@@ -357,13 +366,6 @@ def plan(spec: RunSpec) -> Plan:
     except ValueError as e:
         raise ConfigError(f"{e} (model {identity['name']}: head dim {cfg.head_dim}, "
                           f"{cfg.n_kv_heads} kv heads)") from None
-    if policy.mode == "compress" and not task.has_prompt:
-        with_prompt = sorted(n for n, c in _task_classes().items() if c.has_prompt)
-        raise ConfigError(
-            f"policy {policy.name!r} runs mode=compress (it selects its cache once after a "
-            f"prompt), and task {task.name!r} has no prompt; use a task with one "
-            f"({', '.join(with_prompt)}) or policy.mode=evict"
-        )
     if spec.speed.prompt < 0 or spec.speed.new_tokens < 0:
         raise ConfigError(f"speed.prompt and speed.new_tokens must be >= 0, got {spec.speed}")
     if spec.speed.prompt and spec.speed.new_tokens + 1 >= max_len:  # + a prompt and its token

@@ -71,6 +71,7 @@ class Task:
     metric: ClassVar[str] = "value"
     higher_is_better: ClassVar[bool] = False
     has_prompt: ClassVar[bool] = False
+    modes: ClassVar[tuple[str, ...]] = ("evict", "compress")  # policy modes it can run
 
     def seq_len(self) -> int:
         raise NotImplementedError
