@@ -373,6 +373,8 @@ def plan(spec: RunSpec) -> Plan:
             f"speed.new_tokens={spec.speed.new_tokens} does not fit the cache length {max_len} "
             f"with a prompt; use speed.new_tokens <= {max_len - 2}"
         )
+    if isinstance(spec.seed, bool) or not isinstance(spec.seed, int) or spec.seed < 0:
+        raise ConfigError(f"seed={spec.seed!r} must be a non-negative integer")
     try:
         task.check_prompts(tokenizer, text, spec.seed)
     except ValueError as e:
