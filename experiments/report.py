@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import dataclasses
 import hashlib
 import html
 import re
@@ -273,40 +272,18 @@ def _cell(v) -> str:
     return str(v)
 
 
-def _defaults(kind: str, name: str) -> dict:
-    """The fields of policy or format `name` built with no options ({} if it is unknown)."""
-    from kvjax.formats import get_format
-    from kvjax.policies import get_policy
-
-    try:
-        if kind == "policy":
-            return dataclasses.asdict(get_policy(name))
-        return get_format(name).options()  # defaults resolved, as a point records them
-    except (TypeError, ValueError):
-        return {}
-
-
-def with_options(kind: str, fields: dict, skip=()) -> str:
-    """A policy's or format's name, plus the fields (other than `skip`) whose values differ from
-    its defaults: what tells a preset (`snapkv_kvpress` records as snapkv with kvpress's
-    settings) or non-default format options (int4's key_mode=token) apart in a table."""
-    name = str(fields.get("name"))
-    defaults = _defaults(kind, name)
-    diff = {k: v for k, v in fields.items()
-            if k not in ("name", *skip) and (k not in defaults or defaults[k] != v)}
-    return name + (f"({', '.join(f'{k}={v}' for k, v in sorted(diff.items()))})" if diff else "")
-
-
 def markdown_table(records: list[dict]) -> str:
     """Every run, one row each, with what changes its numbers: policy and format options that
     differ from their defaults, the task's length, ratio, layout and mode."""
+    from kvjax.experiment import options_label  # jax: only where the table is made
+
     rows = []
     for r in sorted(records, key=_order):
         pt, g = r["point"], group_of(r)
         row = summary_row(r)
-        row["policy"] = with_options("policy", pt["policy"], skip=("budget", "mode", "ratio"))
+        row["policy"] = options_label("policy", pt["policy"], skip=("budget", "mode", "ratio"))
         if isinstance(pt.get("format"), dict):
-            row["kv_dtype"] = with_options("format", pt["format"])
+            row["kv_dtype"] = options_label("format", pt["format"])
         length = "/".join(map(str, g.length)) if isinstance(g.length, tuple) else g.length
         rows.append(row | {"ratio": pt["policy"].get("ratio"), "length": length,
                            "layout": g.layout, "mode": g.mode, "sweep": r.get("sweep"),

@@ -616,7 +616,8 @@ def cache_bytes(cfg, cache, fmt, max_len: int) -> dict:
     bpv = nominal_bytes_per_value(fmt)
     full_f32 = closed_form_bytes(cfg, max_len, 4.0)
     return {
-        "kv_bytes": int(kv), "total_bytes": int(per_row(cache.nbytes())), "capacity": C,
+        "kv_bytes": int(kv), "total_bytes": int(per_row(cache.nbytes())),
+        "capacity": _int_if_whole(C),  # a mean over layer groups (pyramid) may be fractional
         "bytes_per_value": bpv, "closed_form_bytes": per_row(formula_bytes(cfg, cache)),
         "payload_bytes": None if bpv is None else _int_if_whole(closed_form_bytes(cfg, C, bpv)),
         "full_f32_bytes": _int_if_whole(full_f32), "compression": full_f32 / kv,
@@ -968,6 +969,32 @@ def _baseline_note(m: dict, t: dict) -> str:
             "cache": "full-cache baseline read from its cache"}.get(src, "")
 
 
+def _defaults(kind: str, name: str) -> dict:
+    """The fields of policy or format `name` built with no options ({} if it is unknown)."""
+    try:
+        if kind == "policy":
+            return dataclasses.asdict(get_policy(name))
+        return build_format(name, {}).options()  # defaults resolved, as a point records them
+    except (TypeError, ValueError):
+        return {}
+
+
+def options_label(kind: str, fields: dict, skip=()) -> str:
+    """A policy's or format's name, plus the fields (other than `skip`) whose values differ from
+    its defaults: what tells a preset (`snapkv_kvpress` records as snapkv with kvpress's
+    settings) or non-default format options (int4's key_mode=token) apart in a table."""
+    if isinstance(fields.get("base"), dict):  # a wrapper (kept layers or units): its base's
+        inner = options_label(kind, fields["base"])  # label, with the wrapper's own fields
+        own = ", ".join(f"{k}={v}" for k, v in sorted(fields.items())
+                        if k not in ("name", "base", *skip))
+        return f"{inner[:-1]}, {own})" if inner.endswith(")") else f"{inner}({own})"
+    name = str(fields.get("name"))
+    defaults = _defaults(kind, name)
+    diff = {k: v for k, v in fields.items()
+            if k not in ("name", *skip) and (k not in defaults or defaults[k] != v)}
+    return name + (f"({', '.join(f'{k}={v}' for k, v in sorted(diff.items()))})" if diff else "")
+
+
 def format_table(record: dict) -> str:
     """The short table `python run.py` prints."""
     pt, m, c, t = record["point"], record["metrics"], record["cache"], record["timings"]
@@ -983,7 +1010,9 @@ def format_table(record: dict) -> str:
         ("cache bytes (closed form)", _fmt_bytes(c.get("closed_form_bytes")),
          "format formula (values + scales/zero points + residual) + positions + stats"),
         ("payload", _fmt_bytes(c.get("payload_bytes")),
-         f"2*L*Hkv*D*C*bytes, C={c['capacity']}, {c['bytes_per_value']} B/value (no metadata)"),
+         f"2*L*Hkv*D*C*bytes, C={c['capacity']}, " + (
+             f"{c['bytes_per_value']} B/value (no metadata)" if c.get("bytes_per_value")
+             else "no single bytes per value (mixed precision)")),
     ]
     if "mesh" in c:
         mesh = c["mesh"]
@@ -1009,6 +1038,9 @@ def format_table(record: dict) -> str:
         ("run time", f"{t['total_s']:.1f} s", _baseline_note(m, t)),
     ]
     policy = f"{pol['name']}({opts})" if opts else pol["name"]
+    fmt_fields = pt.get("format")
+    kv_label = (options_label("format", fmt_fields) if isinstance(fmt_fields, dict)
+                else pt["kv_dtype"])
     layout = pt.get("cache")
     if layout and layout["layout"] == "paged":
         layout = f" | cache=paged(page={layout['page_size']}, {layout['impl']})"
@@ -1017,7 +1049,7 @@ def format_table(record: dict) -> str:
     else:
         layout = ""
     head = (f"kvjax | model={pt['model']['name']} | policy={policy} | "
-            f"kv_dtype={pt['kv_dtype']}{layout} | task={pt['task']['name']}({task})")
+            f"kv_dtype={kv_label}{layout} | task={pt['task']['name']}({task})")
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [head, "-" * min(len(head), 100)]

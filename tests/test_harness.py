@@ -765,3 +765,20 @@ def test_policy_mode_composes_over_the_default_policy():
     p = plan(spec_of("model=tiny", "policy.mode=compress"))
     assert p.policy.name == "full" and p.point == plan(spec_of("model=tiny")).point
     assert cfg_of("policy=h2o", "policy.mode=compress").policy.mode == "compress"
+
+
+def test_the_table_names_non_default_format_options_and_mixed_precision(tmp_path):
+    """The printed header shows a format's options that differ from its defaults, and a
+    mixed-precision format (kept units) has no single bytes per value to print."""
+    lines = []
+    out = experiment.run(spec_of(*TINY, "kv_dtype=int4", "+kv_options.key_mode=token",
+                                 tmp=tmp_path), tmp_path / "a", echo=lines.append)
+    assert "| kv_dtype=int4(key_mode=token) |" in lines[0].splitlines()[0]
+    assert out.record["point"]["kv_dtype"] == "int4"
+    lines.clear()
+    experiment.run(spec_of(*TINY, "kv_dtype=int2", "+kv_options.keep_units=[[0,1]]",
+                           tmp=tmp_path), tmp_path / "b", echo=lines.append)
+    head, *_ = lines[0].splitlines()
+    payload = next(ln for ln in lines[0].splitlines() if ln.startswith("payload"))
+    assert "kv_dtype=int2(" in head and "keep_units=" in head
+    assert "mixed precision" in payload and "None" not in payload
