@@ -706,6 +706,9 @@ class DenseLayout:
         if self.mesh is not None:
             self.mesh.check_devices()
 
+    def check_pool(self, policy, max_len: int) -> None:
+        """Dense rows own their slots: any row fits."""
+
     def init(self, cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None):
         cache = _init_dense(cfg, batch, policy, fmt, max_len)
         if self.mesh is None:

@@ -102,6 +102,17 @@ class PagedLayout:
         page_codecs(fmt)
         policy.validate(max_len)
 
+    def check_pool(self, policy, max_len: int) -> None:
+        """Raise a ValueError when a fixed pool cannot hold even one row (a run would stop with
+        every row preempted); smaller pools are for the server and tests, not for a point."""
+        need = self.pages_per_row(policy, max_len)
+        if self.num_pages is not None and self.num_pages < need:
+            raise ValueError(
+                f"num_pages={self.num_pages} ({self.num_pages * self.page_size} slots) cannot "
+                f"hold one row: policy {policy.name!r} with max_len={max_len} needs {need} pages "
+                f"of {self.page_size}; use num_pages >= {need} per row, or null (enough for "
+                "every row)")
+
     def pages_per_row(self, policy, max_len: int) -> int:
         """Pages one row can hold at once: all of max_len without eviction; with a window W and
         sinks S, the sink pages plus the pages W consecutive tokens can span, whatever the

@@ -109,6 +109,8 @@ def test_hydra_rejects_unknown_keys_options_and_types(override, words):
     (["policy=full", "ratio=1.5"], r"ratio=1.5 must be in \[0, 1\)"),
     (["policy=full", "budget=-5"], r"budget=-5 must be a positive integer"),
     (["seed=-1", "task=passkey", "task.length=256"], r"seed=-1 must be a non-negative integer"),
+    (["cache.layout=paged", "cache.num_pages=2", "policy=window", "budget=64", "task.length=256"],
+     r"num_pages=2 \(32 slots\) cannot hold one row: policy 'window' .* needs \d+ pages"),
     (["policy=h2o", "ratio=0.5", "task=needle"], r"ratio=0.5 with mode=evict needs one prompt"),
     (["model.name=nope"], r"unknown model 'nope'; registered models: smollm2-135m"),
     (["task.text_file=/no/such.txt"], r"no such file"),
