@@ -733,8 +733,9 @@ class _IntFormat(_LayerBatched):
         if C % g:
             raise ValueError(
                 f"{self.name} key_mode='channel': group={g} must divide the capacity C={C} "
-                f"(key groups run along slots); pick a budget that is a multiple of {g} "
-                "or use key_mode='token'"
+                f"(key groups run along slots): the capacity is a fixed-budget cache's budget, "
+                "max_len for the full cache and in compress mode, and each layer group's own "
+                f"with per-layer budgets; make it a multiple of {g}, or use key_mode='token'"
             )
         if R > C:
             raise ValueError(
