@@ -335,6 +335,8 @@ def build_report(store_path, out_dir, sweep: str | None = None, where=(), echo=p
     failed = [r for r in selected if is_failure(r)]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("pareto_*.png"), *out.glob("needle_*.png")]:  # an earlier report's
+        stale.unlink()
     title = f"kvjax report: {sweep or 'all runs'}"
     md = [f"# {title}\n", f"Store: `{store.path}`, {len(records)} point(s)"
           + (f", {len(failed)} failed" if failed else "")
@@ -465,7 +467,7 @@ def main(argv=None) -> int:
           f"{len(res['failed'])} failed, {len(res['images'])} images, "
           f"{len(res['problems'])} skipped lines)")
     for r in res["failed"]:
-        print(f"failed: {r['key']} ({r.get('sweep')}): {r.get('error')}")
+        print(f"failed: {r['key']} ({r.get('sweep') or 'no sweep'}): {r.get('error')}")
     if args.wandb:
         import wandb
 

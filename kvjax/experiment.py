@@ -1001,7 +1001,11 @@ def format_table(record: dict) -> str:
     pt, m, c, t = record["point"], record["metrics"], record["cache"], record["timings"]
     pol = pt["policy"]
     opts = ", ".join(f"{k}={v}" for k, v in pol.items() if k != "name" and v is not None)
-    task = ", ".join(f"{k}={v}" for k, v in pt["task"].items() if k != "name" and v is not None)
+    cls = TASKS.get(pt["task"]["name"])  # its fields in declaration order (a stored record's
+    order = [f.name for f in dataclasses.fields(cls)] if cls else []  # keys come sorted)
+    items = sorted(pt["task"].items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order
+                                                       else len(order), kv[0]))
+    task = ", ".join(f"{k}={v}" for k, v in items if k != "name" and v is not None)
     rows = [
         (m["metric"], fmt(m["value"], ".4f"),
          f"full cache {fmt(m['baseline'], '.4f')}, delta {fmt(m['delta'], '+.4f')}"),
@@ -1019,8 +1023,8 @@ def format_table(record: dict) -> str:
         mesh = c["mesh"]
         rows.append(("cache bytes per device", _fmt_bytes(c["per_device_bytes"]),
                      f"the measured cache (all rows) on the busiest of {mesh['data']} x "
-                     f"{mesh['model']} devices" + (f"; {len(mesh['replicated'])} axis(es) "
-                                                   "replicated (record: cache.mesh)"
+                     f"{mesh['model']} devices" + (f"; {len(mesh['replicated'])} axis note(s): "
+                                                   "not sharded, replicated (record: cache.mesh)"
                                                    if mesh["replicated"] else "")))
     rows += [
         ("compression", f"{c['compression']:.2f}x",

@@ -156,6 +156,16 @@ def with_fields(r, model="m", text="t1", length=1024, layout=None, mode=None, ba
     return r
 
 
+def test_a_report_replaces_an_earlier_reports_images_only(store, tmp_path):
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "pareto_gone.png").write_bytes(b"old")
+    (out / "notes.txt").write_text("mine")
+    res = report.build_report(store.path, out, echo=lambda *a, **k: None)
+    assert not (out / "pareto_gone.png").exists() and (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(res["images"])
+
+
 def test_a_filter_that_matches_nothing_is_an_error_naming_the_values_held(store, tmp_path):
     """--sweep/--where that select nothing from a non-empty store: exit 2 before any file is
     written, with the values the store holds for each condition."""
