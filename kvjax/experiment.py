@@ -352,12 +352,15 @@ def plan(spec: RunSpec) -> Plan:
             f"prompt), and task {task.name!r} {why}; use a task that compresses a prompt "
             f"({', '.join(ok)}) or a policy in mode=evict"
         )
-    if (policy.name != BASELINE_POLICY and policy.ratio is None and policy.budget is not None
-            and policy.budget > need):
+    b = policy.budget
+    # equal to the length, a budget shared by every layer holds every token too (per-layer
+    # budgets, e.g. pyramid's, still evict in the layers given less)
+    if (policy.name != BASELINE_POLICY and policy.ratio is None and b is not None
+            and (b > need or b == need and len(policy.layer_groups(cfg.n_layers, need)) == 1)):
         raise ConfigError(
-            f"budget={policy.budget} is above the length of task {task.name!r} ({need} tokens): "
-            f"policy {policy.name!r} would never evict anything; use budget < {need} "
-            "(or policy=full for the uncompressed cache)"
+            f"budget={b} {'equals' if b == need else 'is above'} the length of task "
+            f"{task.name!r} ({need} tokens): policy {policy.name!r} would never evict anything; "
+            f"use budget < {need} (or policy=full for the uncompressed cache)"
         )
     try:
         layout = build_layout(spec.cache, spec.mesh)

@@ -98,6 +98,7 @@ def test_hydra_rejects_unknown_keys_options_and_types(override, words):
 @pytest.mark.parametrize("overrides, pattern", [
     (["kv_dtype=int3"], r"unknown kv_dtype 'int3'; valid choices: bf16, f32, fp8, int2, int4, int8"),
     (["policy=lru", "budget=2048"], r"budget=2048 is above the length of task 'perplexity' \(1024"),
+    (["policy=lru", "budget=1024"], r"budget=1024 equals the length of task 'perplexity' \(1024"),
     (["policy=snapkv"], r"mode=compress.*'perplexity' has no prompt.*needle, passkey, qa\)"),
     (["policy=snapkv", "task=serve", "task.n_requests=4"],
      r"task 'serve' runs its policy in mode=evict only .*\(needle, passkey, qa\) or a policy"),
