@@ -13,6 +13,7 @@ anything runs.
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -80,6 +81,9 @@ class PlanSweep(Callback):
     together when the first of them runs (in-process launchers)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # as harness.main does for one run: Hydra logs INFO here, and JAX reports at INFO each
+        # backend it probes and does not find ("Unable to initialize backend 'tpu'")
+        logging.getLogger("jax").setLevel(logging.WARNING)
         errors = sweep_errors(config)
         if errors:
             print("\n".join(errors), file=sys.stderr)

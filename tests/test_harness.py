@@ -699,6 +699,7 @@ def test_a_sweep_with_a_bad_point_is_refused_before_any_point_runs(tmp_path, lau
                      f"error: sweep point #2 (kv_dtype=int3 budget=16): {int3}",
                      f"error: sweep point #3 (kv_dtype=int3 budget=abc): {abc}"]
     assert not store.exists() and not (tmp_path / "multirun").exists()  # nothing ran
+    assert "Unable to initialize backend" not in out.stdout  # JAX's INFO about absent backends
 
 
 def test_a_point_failing_at_run_time_is_stored_and_reported_and_the_sweep_goes_on(tmp_path):
