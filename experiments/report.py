@@ -305,11 +305,12 @@ def _order(r):
 
 def failures_table(failed: list[dict]) -> str:
     """The failed runs: what they were and the error each raised."""
-    lines = ["| task | policy | kv_dtype | budget | sweep | key | error |", "|---|---|---|---|---|---|---|"]
+    lines = ["| task | policy | kv_dtype | budget | layout | sweep | key | error |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in sorted(failed, key=_order):
         pt = r["point"]
         cells = [pt["task"]["name"], pt["policy"]["name"], pt.get("kv_dtype"),
-                 pt["policy"].get("budget"), r.get("sweep"), r["key"],
+                 pt["policy"].get("budget"), group_of(r).layout, r.get("sweep"), r["key"],
                  str(r.get("error", "")).replace("|", "/").replace("\n", " ")]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"

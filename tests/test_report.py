@@ -255,7 +255,7 @@ def test_failed_runs_are_listed_not_plotted(tmp_path, capsys):
     assert [r["key"] for r in res["failed"]] == ["f"] and [r["key"] for r in res["records"]] == ["a"]
     assert {p["key"] for pts in res["pareto"].values() for p in pts} == {"a"}
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "## Failed runs" in md and "| h2o | int4 | 64 | s | f | RuntimeError: out of memory |" in md
+    assert "## Failed runs" in md and "| h2o | int4 | 64 | dense | s | f | RuntimeError: out of memory |" in md
     assert report.main(["--store", str(store.path), "--out", str(tmp_path / "cli")]) == 0
     assert "failed: f (s): RuntimeError: out of memory" in capsys.readouterr().out
 
