@@ -343,10 +343,10 @@ def plan(spec: RunSpec) -> Plan:
             f"task {task.name!r} needs {max_len} tokens, above the model's context length "
             f"{cfg.max_seq_len}; shorten the task (or beyond_context=True to measure past it)"
         )
-    if policy.mode == "compress" and not (task.has_prompt and "compress" in task.modes):
-        ok = sorted(n for n, c in _task_classes().items() if c.has_prompt and "compress" in c.modes)
+    if policy.mode == "compress" and "compress" not in task.modes:  # (a bad mode: the policy's)
+        ok = sorted(n for n, c in _task_classes().items() if "compress" in c.modes)
         why = ("has no prompt" if not task.has_prompt else
-               "runs its policy in mode=evict only (it decodes as requests arrive)")
+               "runs its policy in mode=evict only (no selection after its prompts)")
         raise ConfigError(
             f"policy {policy.name!r} runs mode=compress (it selects its cache once after a "
             f"prompt), and task {task.name!r} {why}; use a task that compresses a prompt "

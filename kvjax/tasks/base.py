@@ -64,14 +64,15 @@ class TaskResult:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """Base task. `has_prompt`: it prefills a prompt and then decodes (prefill-only policies
-    such as SnapKV need one); `metric`: the quality number, `higher_is_better` its direction."""
+    """Base task. `has_prompt`: it prefills a prompt and then decodes; `modes`: the policy modes
+    it runs (compress, a selection once after a prompt, as prefill-only policies such as
+    SnapKV need); `metric`: the quality number, `higher_is_better` its direction."""
 
     name: ClassVar[str] = "base"
     metric: ClassVar[str] = "value"
     higher_is_better: ClassVar[bool] = False
     has_prompt: ClassVar[bool] = False
-    modes: ClassVar[tuple[str, ...]] = ("evict", "compress")  # policy modes it can run
+    modes: ClassVar[tuple[str, ...]] = ("evict",)
 
     def seq_len(self) -> int:
         raise NotImplementedError

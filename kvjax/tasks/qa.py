@@ -200,6 +200,7 @@ class QA(Task):
     metric = "score"
     higher_is_better = True
     has_prompt = True
+    modes = ("evict", "compress")
 
     file: str | None = None
     max_new_tokens: int = 32

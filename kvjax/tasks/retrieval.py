@@ -34,6 +34,7 @@ class RetrievalTask(Task):
     metric = "accuracy"
     higher_is_better = True
     has_prompt = True
+    modes = ("evict", "compress")
     question: ClassVar[str] = ""  # the question and the answer's start that end each prompt
     answer: ClassVar[str] = ""
     query_aware: bool = True  # false: the question is fed after a compress-mode selection

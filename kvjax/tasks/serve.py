@@ -60,7 +60,6 @@ class Serve(Task):
     metric = "accuracy"
     higher_is_better = True
     has_prompt = True
-    modes = ("evict",)  # the server decodes as requests arrive: no one-off selection
     n_requests: int = 32
     rate: float = 2.0
     prompt_min: int = 128
