@@ -419,6 +419,12 @@ def _task_classes():
     return TASKS
 
 
+def _probe_as_run(speed: SpeedSpec) -> SpeedSpec:
+    """The speed probe as it runs: with no prompt it does not run, so its token count is kept
+    at the default (no new point for a setting that changes nothing)."""
+    return speed if speed.prompt else dataclasses.replace(speed, new_tokens=SpeedSpec.new_tokens)
+
+
 def point_config(spec: RunSpec, policy, max_len: int, layout=None, *, fmt=None, model=None,
                  text=None) -> dict:
     """What identifies a point (its key is this dict's hash), by content, never by path: the
@@ -427,8 +433,8 @@ def point_config(spec: RunSpec, policy, max_len: int, layout=None, *, fmt=None, 
     itself), the format with every option resolved (`int4` and `int4 group=64` are one point),
     the task (chunking included; its text file by the text's sha256 and the tokens scored, a data
     file such as qa's by its bytes' sha256: `Task.identity`),
-    the seed, the cache length, the speed probe, the sweep name and the code
-    (`code_identity`). W&B settings, paths, `force` and `progress` are left out; the cache
+    the seed, the cache length, the speed probe (as it runs: `_probe_as_run`), the sweep name
+    and the code (`code_identity`). W&B settings, paths, `force` and `progress` are left out; the cache
     layout is part of the point only when it is not the default dense one."""
     fmt = fmt if fmt is not None else build_format(spec.kv_dtype, dict(spec.kv_options))
     task = {"name": spec.task.name, **dataclasses.asdict(spec.task)}
@@ -443,7 +449,7 @@ def point_config(spec: RunSpec, policy, max_len: int, layout=None, *, fmt=None, 
         "text": text,
         "seed": spec.seed,
         "max_len": max_len,
-        "speed": dataclasses.asdict(spec.speed),
+        "speed": dataclasses.asdict(_probe_as_run(spec.speed)),
         "sweep": spec.sweep,
         "code": code_identity(),
     }
@@ -775,7 +781,7 @@ def execute(plan_: Plan, run_dir: str | os.PathLike, echo=print,
             echo(f"skip: point {plan_.key} is already in {store.path} "
                  f"(line {existing['_line']}; force=true reruns it)")
             return Outcome(None, False, skipped=True, existing=existing)
-    git = git_info()
+    git = git_info(code_only=True)  # dirty: uncommitted code, as allow_dirty reads it
     w = spec.wandb
     sink = {"mode": w.mode, "project": w.project, "entity": w.entity, "run_dir": run_dir}
     wandb_worker.begin({"key": plan_.key, "sweep": spec.sweep, "point": plan_.point, "git": git},

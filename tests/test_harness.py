@@ -181,6 +181,10 @@ def test_point_key_ignores_volatile_settings_and_dedupes_equivalent_points(tmp_p
     assert base != key("policy=lru", "kv_dtype=int8")
     assert base != key("policy=lru", "kv_dtype=int4", "task.chunk=64")
     assert key("policy=full") == key("policy=full", "budget=128")  # full ignores budget
+    # with no prompt the speed probe does not run: its token count changes nothing
+    assert key("speed.prompt=0") == key("speed.prompt=0", "speed.new_tokens=8")
+    assert key("speed.prompt=0") != key("speed.prompt=32")
+    assert key("speed.prompt=32") != key("speed.prompt=32", "speed.new_tokens=8")
     p = plan(spec_of("model=tiny", "policy=full", "budget=128"))
     assert p.policy.budget is None and "ignored" in p.notes[0]
 
@@ -489,6 +493,32 @@ def test_a_later_run_loads_its_programs_and_records_the_same_numbers(tmp_path, m
 
 # ----------------------------------------------------------------------------- running
 
+
+def test_record_dirty_flag_is_uncommitted_code_not_other_files(tmp_path, monkeypatch):
+    """A record's `git.dirty` reads the checkout as `allow_dirty` does: uncommitted code under
+    kvjax/, policies/, kernels/ or run.py, not a results file or notes beside them."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "kvjax").mkdir(parents=True)
+    (repo / "kvjax" / "a.py").write_text("x = 1\n")
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    (repo / "results.jsonl").write_text("{}\n")  # a run's output, untracked
+    assert experiment.git_info(repo)["dirty"] is True
+    assert experiment.git_info(repo, code_only=True)["dirty"] is False
+    (repo / "kvjax" / "a.py").write_text("x = 2\n")
+    assert experiment.git_info(repo, code_only=True)["dirty"] is True
+
+    monkeypatch.setattr(experiment, "git_info", lambda repo=None, code_only=False: {
+        "commit": "c" * 40, "dirty": not code_only})  # other files changed, no code
+    rec = experiment.run(spec_of(*TINY, tmp=tmp_path), tmp_path / "run0", echo=lambda s: None)
+    assert rec.record["git"] == {"commit": "c" * 40, "dirty": False}
 
 def test_end_to_end_records_baseline_cache_skip_and_force(tmp_path):
     lines = []
