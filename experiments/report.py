@@ -5,10 +5,12 @@ Writes into one directory (default reports/<sweep or all>/):
 * report.md: the Pareto plots, needle heatmaps and the full table, PNGs beside it;
 * report.html: the same, self-contained (PNGs embedded);
 * pareto_<task>_<model>_L<length>_<layout>_<mode>_<text>.png (<model>: its name, plus 8 hex of
-  a digest of the rest of its identity): one plot per group of comparable
-  runs, those of one (model, task, text sha256, length, cache layout, policy mode): quality
-  against measured cache bytes, one line per policy (its Pareto frontier), one marker per kv
-  format, each point labelled with its budget, the group's own full-cache baseline dashed;
+  a digest of the rest of its identity; <task>: its name, plus 8 hex of a digest of its
+  non-default settings): one plot per group of comparable runs, those of one (model, task
+  with its settings, text sha256, length, cache layout, policy mode): quality against measured
+  cache bytes, one line per policy with its non-default options (its Pareto frontier), one
+  marker per kv format, each point labelled with its budget, the group's own full-cache
+  baseline dashed;
 * needle_<policy>_<format>_b<budget>_<key>.png: each needle run's depth x length accuracy grid;
 * a list of failed runs (records with status "failed") with their errors.
 
@@ -92,8 +94,19 @@ def no_match(records: list[dict], sweep: str | None, where: list[str]) -> str:
     return f"no record of the {len(records)} in the store matches; " + "; ".join(parts)
 
 
+# Task fields that do not split groups: the length is a group field of its own, and a batch of
+# prompts answers as one prompt at a time does (tests/test_tasks.py)
+TASK_SAME = ("length", "lengths", "batch")
+
+
+def _short_digests(s: str) -> str:
+    """Each long hex digest in s cut to 12 characters (for headings)."""
+    return re.sub(r"\b([0-9a-f]{12})[0-9a-f]{20,}\b", r"\1", s)
+
+
 class Group(NamedTuple):
-    """What makes runs comparable: same model, task, text, length, cache layout, policy mode."""
+    """What makes runs comparable: same model, task with its settings, text, length, cache
+    layout, policy mode."""
 
     model: str
     task: str
@@ -101,23 +114,44 @@ class Group(NamedTuple):
     length: Any
     layout: str
     mode: str
+    options: str = ""  # the task's settings that differ from its defaults: "(depth=0.05)"
 
     def model_label(self) -> str:
         """The model for headings: its identity with each hex digest cut to 12 characters."""
-        return re.sub(r"\b([0-9a-f]{12})[0-9a-f]{20,}\b", r"\1", self.model)
+        return _short_digests(self.model)
 
     def title(self) -> str:
         length = "/".join(map(str, self.length)) if isinstance(self.length, tuple) else self.length
-        return (f"{self.task} | {self.model_label()} | length {length} | {self.layout} | "
-                f"{self.mode} | text {self.text[:8]}")
+        return (f"{self.task}{_short_digests(self.options)} | {self.model_label()} | length "
+                f"{length} | {self.layout} | {self.mode} | text {self.text[:8]}")
 
     def slug(self) -> str:
-        """A file name: the model's name, plus a digest of the rest of its identity if any."""
+        """A file name: the model's name, plus a digest of the rest of its identity if any; the
+        task's name, plus a digest of its non-default settings if any."""
         length = "-".join(map(str, self.length)) if isinstance(self.length, tuple) else self.length
         name, paren, _ = self.model.partition("(")
-        model = name + (f"-{hashlib.sha256(self.model.encode()).hexdigest()[:8]}" if paren else "")
-        return _slug(f"pareto_{self.task}_{model}_L{length}_{self.layout}_{self.mode}_"
+        model = name + (f"-{_digest(self.model)}" if paren else "")
+        task = self.task + (f"-{_digest(self.options)}" if self.options else "")
+        return _slug(f"pareto_{task}_{model}_L{length}_{self.layout}_{self.mode}_"
                      f"{self.text[:8]}")
+
+
+def _digest(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()[:8]
+
+
+def task_label(task: dict) -> str:
+    """The task's name with its settings that differ from the defaults (length aside)."""
+    from kvjax.experiment import options_label  # jax: only where labels are made
+
+    return options_label("task", task, skip=TASK_SAME)
+
+
+def policy_label(policy: dict) -> str:
+    """The policy's name with its options that differ from the defaults (budget aside)."""
+    from kvjax.experiment import options_label
+
+    return options_label("policy", policy, skip=("budget", "mode", "ratio"))
 
 
 def _hashable(v):
@@ -146,6 +180,7 @@ def group_of(record: dict) -> Group:
         length=_hashable(length),
         layout=str((pt.get("cache") or {}).get("layout", "dense")),
         mode=str(pt["policy"].get("mode") or "evict"),
+        options=task_label(task)[len(str(task["name"])):],
     )
 
 
@@ -190,27 +225,31 @@ def frontier(points: list[tuple[float, float]], higher_is_better: bool) -> list[
 def pareto_figure(recs: list[dict], title: str):
     """Quality vs measured cache bytes for one group of comparable records (see `group_of`).
 
-    Every run is a marker (shape = kv format, colour = policy) with its budget written beside
-    it; each policy's line joins its Pareto frontier; the group's full-cache baseline is a
-    dashed line. Returns (figure, points), one dict per plotted point; each marker is a Line2D
-    with gid "point" and label "policy|kv_dtype|budget", each budget label a Text with gid
-    "budget", each baseline a Line2D with gid "baseline", so tests can read the artists.
+    Every run is a marker (shape = kv format, colour = policy with its non-default options)
+    with its budget written beside it; each policy's line joins its Pareto frontier; the
+    group's full-cache baseline is a dashed line. Each policy's markers are smaller than the
+    one's before it, so runs that land on the same spot stay visible as rings. Returns
+    (figure, points), one dict per plotted point; each marker is a Line2D with gid "point" and
+    label "policy|kv_dtype|budget", each budget label a Text with gid "budget", each baseline
+    a Line2D with gid "baseline", so tests can read the artists.
     """
     metric = recs[0]["metrics"]["metric"]
     higher = bool(recs[0]["metrics"].get("higher_is_better"))
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     by_policy = defaultdict(list)
     for r in recs:
-        by_policy[r["point"]["policy"]["name"]].append(r)
+        by_policy[policy_label(r["point"]["policy"])].append(r)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     extra, points, handles = {}, [], []
     for i, (policy, rs) in enumerate(sorted(by_policy.items())):
         color = colors[i % len(colors)]
+        size = max(3.0, 12.0 - 2.5 * i)  # later policies drawn smaller, on top
         for r in rs:
             x, y = r["cache"]["kv_bytes"], r["metrics"]["value"]
             fmt, budget = r["point"]["kv_dtype"], r["point"]["policy"].get("budget")
             ax.plot([x], [y], linestyle="none", marker=marker_for(fmt, extra), color=color,
-                    markersize=7, gid=POINT_GID, label=f"{policy}|{fmt}|{budget}")
+                    markersize=size, markeredgecolor="white", markeredgewidth=0.6,
+                    gid=POINT_GID, label=f"{policy}|{fmt}|{budget}")
             if budget is not None:
                 ax.annotate(str(budget), (x, y), xytext=(4, 4), textcoords="offset points",
                             fontsize=7, color=color, gid=BUDGET_GID)
@@ -220,7 +259,7 @@ def pareto_figure(recs: list[dict], title: str):
         ax.plot([p[0] for p in front], [p[1] for p in front], "-", color=color, alpha=0.6)
         handles.append(Line2D([], [], color=color, label=policy))
     baselines = sorted({r["metrics"].get("baseline") for r in recs} - {None})
-    for b in baselines:  # one per task setting in the group (chunk, seed, ...)
+    for b in baselines:  # one per seed in the group
         ax.axhline(b, color="gray", linestyle="--", linewidth=1, gid=BASELINE_GID)
     if baselines:
         handles.append(Line2D([], [], color="gray", linestyle="--", label="full cache (f32)"))
@@ -273,15 +312,16 @@ def _cell(v) -> str:
 
 
 def markdown_table(records: list[dict]) -> str:
-    """Every run, one row each, with what changes its numbers: policy and format options that
-    differ from their defaults, the task's length, ratio, layout and mode."""
+    """Every run, one row each, with what changes its numbers: task settings, policy and format
+    options that differ from their defaults, the task's length, ratio, layout and mode."""
     from kvjax.experiment import options_label  # jax: only where the table is made
 
     rows = []
     for r in sorted(records, key=_order):
         pt, g = r["point"], group_of(r)
         row = summary_row(r)
-        row["policy"] = options_label("policy", pt["policy"], skip=("budget", "mode", "ratio"))
+        row["task"] = task_label(pt["task"])
+        row["policy"] = policy_label(pt["policy"])
         if isinstance(pt.get("format"), dict):
             row["kv_dtype"] = options_label("format", pt["format"])
         length = "/".join(map(str, g.length)) if isinstance(g.length, tuple) else g.length

@@ -979,20 +979,31 @@ def _baseline_note(m: dict, t: dict) -> str:
             "cache": "full-cache baseline read from its cache"}.get(src, "")
 
 
-def _defaults(kind: str, name: str) -> dict:
-    """The fields of policy or format `name` built with no options ({} if it is unknown)."""
+@functools.lru_cache(maxsize=64)
+def _defaults_json(kind: str, name: str) -> str:
     try:
         if kind == "policy":
-            return dataclasses.asdict(get_policy(name))
-        return build_format(name, {}).options()  # defaults resolved, as a point records them
+            fields = dataclasses.asdict(get_policy(name))
+        elif kind == "task":
+            fields = dataclasses.asdict(TASKS[name]()) if name in TASKS else {}
+        else:
+            fields = build_format(name, {}).options()  # defaults resolved, as a point records them
     except (TypeError, ValueError):
-        return {}
+        fields = {}
+    return json.dumps(to_jsonable(fields))
+
+
+def _defaults(kind: str, name: str) -> dict:
+    """The fields of policy, format or task `name` built with no options, as a point records
+    them ({} if it is unknown)."""
+    return json.loads(_defaults_json(kind, name))
 
 
 def options_label(kind: str, fields: dict, skip=()) -> str:
-    """A policy's or format's name, plus the fields (other than `skip`) whose values differ from
-    its defaults: what tells a preset (`snapkv_kvpress` records as snapkv with kvpress's
-    settings) or non-default format options (int4's key_mode=token) apart in a table."""
+    """A policy's, format's or task's name, plus the fields (other than `skip`) whose values
+    differ from its defaults: what tells a preset (`snapkv_kvpress` records as snapkv with
+    kvpress's settings), non-default format options (int4's key_mode=token) or task settings
+    (passkey's depth) apart in a table."""
     if isinstance(fields.get("base"), dict):  # a wrapper (kept layers or units): its base's
         inner = options_label(kind, fields["base"])  # label, with the wrapper's own fields
         own = ", ".join(f"{k}={v}" for k, v in sorted(fields.items())

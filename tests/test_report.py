@@ -244,6 +244,47 @@ def test_only_comparable_runs_share_a_plot_each_with_its_own_baseline(tmp_path):
     assert "| paged | evict |" in md and "| dense | compress |" in md
 
 
+def test_task_settings_split_groups_and_options_label_rows_and_series(tmp_path):
+    """Runs whose task settings differ (passkey depth) are not one plot; a batch size (the same
+    answers) and spelled-out defaults do not split them. Policy options make their own series
+    and the table names both (an audit found such rows identical but for their keys)."""
+    def passkey(key, policy, budget, value, depth=0.5, batch=8, **opts):
+        r = with_fields(rec(key, policy, "f32", budget, value, 100 + len(key)), length=256)
+        r["point"]["task"] = {"name": "passkey", "length": 256, "depth": depth, "batch": batch,
+                              "n_samples": 5, "digits": 5}
+        r["point"]["policy"] |= opts
+        r["metrics"] |= {"metric": "accuracy", "higher_is_better": True}
+        return r
+
+    store = ResultsStore(tmp_path / "r.jsonl")
+    for r in [passkey("a", "full", None, 1.0), passkey("b", "streaming", 64, 1.0, batch=1),
+              passkey("c", "streaming", 64, 0.0, depth=0.05),
+              passkey("d", "streaming", 64, 0.5, n_sink=1),
+              passkey("e", "h2o", 64, 0.5, depth=0.05)]:
+        store.append(r)
+    res = report.build_report(store.path, tmp_path / "out", echo=lambda *a, **k: None)
+    by_keys = {frozenset(p["key"] for p in pts): g for g, pts in res["pareto"].items()}
+    assert set(by_keys) == {frozenset("abd"), frozenset("ce")}
+    deep = by_keys[frozenset("ce")]
+    assert deep.options == "(depth=0.05)" and deep.title().startswith("passkey(depth=0.05) |")
+    assert by_keys[frozenset("abd")].options == ""
+    assert by_keys[frozenset("abd")].slug() != deep.slug()
+    assert re.search(r"^pareto_passkey-[0-9a-f]{8}_", deep.slug())
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| passkey(depth=0.05) | streaming | f32 | 64 |" in md
+    assert "| passkey | streaming(n_sink=1) | f32 | 64 |" in md
+    recs = [r for r in res["records"] if r["key"] in "abd"]
+    fig, _ = report.pareto_figure(recs, "t")
+    markers = {ln.get_label(): ln for ln in fig.axes[0].get_lines()
+               if ln.get_gid() == report.POINT_GID}
+    assert set(markers) == {"full|f32|None", "streaming|f32|64", "streaming(n_sink=1)|f32|64"}
+    sizes = [markers[k].get_markersize()
+             for k in sorted(markers, key=lambda k: k.split("|")[0])]  # the policies' order
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3  # rings, not hidden
+    colors = {markers[k].get_color() for k in markers}
+    assert len(colors) == 3
+    report.plt.close(fig)
+
 def test_failed_runs_are_listed_not_plotted(tmp_path, capsys):
     store = ResultsStore(tmp_path / "r.jsonl")
     store.append(rec("a", "full", "f32", None, 10.0, 1000))
