@@ -362,6 +362,14 @@ def plan(spec: RunSpec) -> Plan:
             f"{task.name!r} ({need} tokens): policy {policy.name!r} would never evict anything; "
             f"use budget < {need} (or policy=full for the uncompressed cache)"
         )
+    chunk = getattr(task, "chunk", None)
+    if (policy.name != BASELINE_POLICY and policy.mode == "evict" and b is not None and chunk
+            and chunk >= b):
+        notes = (*notes, (
+            f"task.chunk={chunk} >= budget={b}: eviction acts between chunks, and a chunk's "
+            f"tokens also attend to the chunk's earlier tokens, so a token sees up to "
+            f"{b + chunk - 1} (budget + chunk - 1) and the budget barely binds; task.chunk=1 "
+            "evicts token by token"))
     try:
         layout = build_layout(spec.cache, spec.mesh)
         layout.validate(policy, fmt, max_len)
