@@ -45,10 +45,14 @@ class StreamingLLM(Reproduction):
         "\"keeping the KV of initial tokens will largely recover the performance of window "
         "attention\"; StreamingLLM \"can enable Llama-2, MPT, Falcon, and Pythia to perform "
         "stable and efficient language modeling with up to 4 million tokens\"; \"StreamingLLM "
-        "outperforms the sliding window recomputation baseline by up to 22.2× speedup\". The "
-        "issue points at Table 1 and Fig. 3 for the perplexity comparison (dense, window, "
-        "re-computation, sinks); their per-model values could not be retrieved from this "
-        "sandbox, so none are quoted here.")
+        "outperforms the sliding window recomputation baseline by up to 22.2× speedup\". "
+        "Figure 1 (Llama-2-13B, the first book of PG19's test set, 65K tokens): perplexity "
+        "dense 5641, window attention 5158, sliding window with re-computation 5.43, "
+        "StreamingLLM 5.40. Table 1 (the same text, a 1024-token cache): window (0 + 1024) "
+        "5158.07, 4 initial tokens + 1020 recent 5.40. Table 2 (400K tokens of the "
+        "concatenated PG19 test set, Llama-2-7B, cache 4096): 0 / 1 / 2 / 4 / 8 initial "
+        "tokens give 3359.95 / 11.88 / 10.51 / 9.59 / 9.54. Fig. 3's curves print no values. "
+        "(Numbers read in a text extraction of the ICLR 2024 paper.)")
     short_claim = ("4 sinks + recent ≈ re-computation, window collapses past the cache, "
                    "dense fails past the training length; up to 22.2× faster than "
                    "re-computation (abstract; Table 1, Fig. 3)")
