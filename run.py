@@ -8,6 +8,7 @@ results store and logs the run to W&B (offline by default). See docs/harness.md.
 import atexit
 import logging
 import os
+import signal
 import sys
 
 _finished = False  # set once main() has returned: everything is written
@@ -34,6 +35,7 @@ wandb_worker.prestart(sys.argv[1:])  # W&B's imports run beside this process's o
 import hydra  # after the exit handler above, so that it runs last
 
 from kvjax import harness
+from kvjax.tasks.base import interrupted_message, on_sigint
 
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
@@ -42,5 +44,15 @@ def main(cfg) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    # a scheduler's stop (SLURM, `kill`) ends a run as Ctrl-C does: one line, nothing half
+    # written, the W&B worker's folder removed; the status says which signal (143)
+    signal.signal(signal.SIGTERM, on_sigint)
+    try:
+        main()
+    except KeyboardInterrupt:  # outside a point (a launcher's own wait: joblib's, submitit's)
+        line, status = interrupted_message(
+            "the sweep stopped; its finished points are in the results store, and the same "
+            "command resumes it")
+        print(line, file=sys.stderr)
+        sys.exit(status)
     _finished = True

@@ -28,7 +28,7 @@ from kvjax.mesh import MeshSpec
 from kvjax.programs import set_program_store
 from kvjax.results import ResultsStore, record_failure
 from kvjax.tasks import TASKS, get_task
-from kvjax.tasks.base import INTERRUPTED, on_sigint, quiet_unraisable
+from kvjax.tasks.base import INTERRUPTED, interrupted_message, on_sigint, quiet_unraisable
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -265,8 +265,9 @@ def main(cfg: DictConfig):
     A point that fails after it was planned is stored as a failure record (the report lists
     it; a single run's bad input, found after planning, is only its error) and its error is
     raised to Hydra, so a sweeper that continues past failing points (the basic one runs its
-    whole batch) does so. Ctrl-C exits with one line (status 130), nothing recorded and the
-    store intact (records are only ever appended whole, see `kvjax.results`)."""
+    whole batch) does so. Ctrl-C exits with one line (status 130; run.py's SIGTERM: 143),
+    nothing recorded and the store intact (records are only ever appended whole, see
+    `kvjax.results`)."""
     logging.getLogger("jax").setLevel(logging.WARNING)
     echo = run_log_echo()
     d = cfg.distributed
@@ -293,9 +294,10 @@ def main(cfg: DictConfig):
         return objective(out.record or out.existing, cfg.objective.max_cache_bytes,
                          cfg.objective.penalty, echo)
     except KeyboardInterrupt:
-        echo("interrupted: this point was not recorded; the results store is intact",
-             file=sys.stderr)
-        sys.exit(130)
+        line, status = interrupted_message(
+            "this point was not recorded; the results store is intact")
+        echo(line, file=sys.stderr)
+        sys.exit(status)
     except Exception as e:
         if isinstance(e, ConfigError) and not in_sweep():  # bad input to one run: no record
             echo(f"error: {e}", file=sys.stderr)

@@ -66,12 +66,13 @@ def start() -> None:
     if running():
         return
     _remove_tmp()  # a worker that died left its folder
+    remove_orphans()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = f"import sys; sys.path.append({root!r}); from kvjax.wandb_worker import serve; serve()"
     try:
         # W&B makes temporary folders as it imports and removes them at interpreter exit,
         # which the worker skips (`serve`): they go with its own TMPDIR, removed by `drain`
-        _tmp = tempfile.mkdtemp(prefix="kvjax-wandb-")
+        _tmp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-")
         # -P: the working directory (a checkout's top-level folders) shadows nothing of W&B's
         _proc = subprocess.Popen([sys.executable, "-P", "-c", code], stdin=subprocess.PIPE,
                                  stdout=subprocess.DEVNULL, text=True, encoding="utf-8",
@@ -82,6 +83,35 @@ def start() -> None:
         _remove_tmp()
         return
     atexit.register(drain)
+
+
+TMP_PREFIX = "kvjax-wandb-"  # + the pid of the run that made it + "-" + mkdtemp's letters
+
+
+def remove_orphans(root: str | None = None) -> list[str]:
+    """Remove the worker folders whose run is gone (killed before its exit handlers ran:
+    SIGKILL, a launcher's worker process ended abruptly); returns their paths. A folder whose
+    pid runs (its own run, or another run's) is kept."""
+    root = root or tempfile.gettempdir()
+    gone = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            pid = name[len(TMP_PREFIX):].partition("-")[0]
+            if not (name.startswith(TMP_PREFIX) and pid.isdigit()) or _alive(int(pid)):
+                continue
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            gone.append(os.path.join(root, name))
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's process
+        return True
+    return True
 
 
 def _remove_tmp() -> None:

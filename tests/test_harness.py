@@ -415,8 +415,12 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run(tmp_path, monkeypat
     assert unraisable == []
 
 
-def test_ctrl_c_during_a_run_py_task(tmp_path):
-    """SIGINT while the task streams (its progress bar is on screen): one line, status 130."""
+@pytest.mark.parametrize("sig, status, head", [(signal.SIGINT, 130, "interrupted"),
+                                               (signal.SIGTERM, 143, "stopped by SIGTERM")])
+def test_ctrl_c_during_a_run_py_task(tmp_path, sig, status, head):
+    """SIGINT while the task streams (its progress bar is on screen): one line, status 130.
+    SIGTERM (a scheduler's stop, `kill`) the same, status 143; it used to end the process with
+    no line and leave the W&B worker's temporary folder behind."""
     store = tmp_path / "r.jsonl"
     store.write_text('{"key": "old"}\n')
     err = tmp_path / "err.txt"
@@ -435,18 +439,18 @@ def test_ctrl_c_during_a_run_py_task(tmp_path):
         while time.time() < deadline and "perplexity (full)" not in err.read_text():
             time.sleep(0.1)
         assert proc.poll() is None, "the run ended before it could be interrupted"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         try:
-            assert proc.wait(timeout=60) == 130
+            assert proc.wait(timeout=60) == status
         except subprocess.TimeoutExpired:  # show where it hangs: faulthandler's dump on SIGABRT
             proc.send_signal(signal.SIGABRT)
             proc.wait(timeout=30)
-            pytest.fail("run.py did not exit within 60 s of SIGINT; its stderr ends:\n"
+            pytest.fail(f"run.py did not exit within 60 s of {sig.name}; its stderr ends:\n"
                         + err.read_text()[-6000:])
     text = err.read_text()
     assert "Traceback" not in text
     assert text.rstrip().splitlines()[-1].endswith(
-        "interrupted: this point was not recorded; the results store is intact")
+        f"{head}: this point was not recorded; the results store is intact")
     assert store.read_text() == '{"key": "old"}\n'
 
 

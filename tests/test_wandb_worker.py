@@ -4,6 +4,7 @@ the worker imports from PYTHONPATH and that writes every call to a JSON-lines fi
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -191,3 +192,18 @@ def test_the_temporary_folders_wandb_makes_go_with_the_worker(fake_wandb, tmp_pa
     assert Path(media).name.endswith("wandb-media") and not Path(media).exists()
     assert Path(media).parent.name.startswith("kvjax-wandb-")
     assert not Path(media).parent.exists() and wandb_worker._tmp is None
+
+
+def test_folders_of_runs_that_are_gone_are_removed_when_a_worker_starts(tmp_path):
+    """A killed run (SIGKILL, a launcher's worker ended abruptly) never removes its worker's
+    folder; the next worker's start removes every one whose run is gone, and keeps those of
+    runs still going and anything else."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = tmp_path / f"{wandb_worker.TMP_PREFIX}{dead.pid}-abc"
+    mine = tmp_path / f"{wandb_worker.TMP_PREFIX}{os.getpid()}-def"
+    other = tmp_path / f"{wandb_worker.TMP_PREFIX}xyz"  # an old-style name: not ours to judge
+    for d in (gone, mine, other):
+        (d / "sub").mkdir(parents=True)
+    assert wandb_worker.remove_orphans(str(tmp_path)) == [str(gone)]
+    assert not gone.exists() and mine.exists() and other.exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -150,15 +151,31 @@ def check_depths(task: Task, depths: Sequence[float]) -> None:
 
 
 INTERRUPTED = threading.Event()
+_stopped_by = signal.SIGINT
 
 
 def on_sigint(signum, frame):
-    """SIGINT handler (run.py installs it): remembered, then raised as KeyboardInterrupt.
-    Remembered because Python raises it at whatever bytecode runs next, which can be a
-    finalizer or a weakref callback that only prints it ("Exception ignored in ...") and goes
-    on; `bar` then raises it again at the task's next step."""
+    """SIGINT handler (the harness installs it for a point; run.py installs it for SIGTERM,
+    so a scheduler's stop ends a run as Ctrl-C does): remembered, then raised as
+    KeyboardInterrupt. Remembered because Python raises it at whatever bytecode runs next,
+    which can be a finalizer or a weakref callback that only prints it ("Exception ignored in
+    ...") and goes on; `bar` then raises it again at the task's next step."""
+    global _stopped_by
+    _stopped_by = signum
     INTERRUPTED.set()
     raise KeyboardInterrupt
+
+
+def stopped_by() -> int:
+    """The signal of the last interrupt `on_sigint` raised (SIGINT when none did)."""
+    return _stopped_by if INTERRUPTED.is_set() else signal.SIGINT
+
+
+def interrupted_message(what: str) -> tuple[str, int]:
+    """The one line and the exit status of a run stopped by a signal (`stopped_by`)."""
+    sig = stopped_by()
+    head = "interrupted" if sig == signal.SIGINT else f"stopped by {signal.Signals(sig).name}"
+    return f"{head}: {what}", 128 + int(sig)
 
 
 def quiet_unraisable(hook):
