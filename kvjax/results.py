@@ -231,9 +231,12 @@ def begin_wandb(head: dict, *, mode: str, project: str, entity: str | None,
         return wandb.init(
             mode=mode, project=project, entity=entity, dir=str(run_dir), name=name,
             group=head.get("sweep") or None, job_type=pt["task"]["name"],
-            config={"point": pt, "key": head["key"], "git": head.get("git")},
+            config={"point": pt, "key": head["key"], "sweep": head.get("sweep"),
+                    "git": head.get("git")},
             tags=[pt["policy"]["name"], pt["kv_dtype"], pt["task"]["name"]],
-            reinit="finish_previous", settings=wandb.Settings(silent=True),
+            # the config holds the checkout's git state (`git_info`); W&B's own probe of the
+            # run directory only warned "git root ... does not exist" for every point
+            reinit="finish_previous", settings=wandb.Settings(silent=True, disable_git=True),
         )
     except Exception as e:  # noqa: BLE001  (W&B must never lose the local record)
         _wandb_failed(e)

@@ -174,6 +174,8 @@ def test_wandb_sink_logs_config_summary_curves_and_tables(fake_wandb, tmp_path):
     run = fake_wandb.runs[0]
     assert run.kw["mode"] == "offline" and run.kw["project"] == "p" and run.kw["group"] == "s"
     assert run.kw["config"]["point"] == rec["point"] and run.kw["config"]["key"] == "k1"
+    assert run.kw["config"]["sweep"] == "s"  # docs/harness.md lists it in the config
+    assert run.kw["settings"]["disable_git"]  # the record's own git info is in the config
     assert run.logged[0] == (0, {"running_nll": 4.0, "token": 16})
     assert run.logged[1] == (1, {"running_nll": 3.5, "token": 32})
     tables = {k: v for _, d in run.logged for k, v in d.items() if k.endswith("table") or k == "samples"}
