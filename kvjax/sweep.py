@@ -80,6 +80,9 @@ class PlanSweep(Callback):
     plans are kept (`kvjax.experiment.SWEEP_PLANS`): points that can share a prefill then run
     together when the first of them runs (in-process launchers)."""
 
+    plans: list | None = None  # the planned points (basic sweeper), for the end's summary
+    before: dict | None = None  # their stores' statuses when the sweep started
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # as harness.main does for one run: Hydra logs INFO here, and JAX reports at INFO each
         # backend it probes and does not find ("Unable to initialize backend 'tpu'")
@@ -88,3 +91,44 @@ class PlanSweep(Callback):
         if errors:
             print("\n".join(errors), file=sys.stderr)
             sys.exit(2)
+        if config.hydra.sweeper.get("_target_") == BASIC_SWEEPER:
+            from kvjax import experiment
+
+            self.plans = list(experiment.SWEEP_PLANS)
+            self.before = stored_status(self.plans)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.plans:
+            print(sweep_summary(self.plans, self.before or {}, stored_status(self.plans)),
+                  file=sys.stderr)
+
+
+def stored_status(plans: list) -> dict[tuple[str, str], str]:
+    """(results store, key) -> "done" or "failed", for the planned points' keys in their
+    stores (the last record of a key counts, as the store's readers take it)."""
+    from kvjax.results import ResultsStore, is_failure
+
+    out = {}
+    for path in dict.fromkeys(str(p.spec.results) for p in plans):
+        records, _ = ResultsStore(path).read()
+        for r in records:
+            out[path, r.get("key")] = "failed" if is_failure(r) else "done"
+    return out
+
+
+def sweep_summary(plans: list, before: dict, after: dict) -> str:
+    """One line at the end of a sweep: how many of its points ran, were already stored (and so
+    skipped), failed, or were not recorded. Points with one key (e.g. `full` at several
+    budgets, which it ignores) count once. (Hydra raises a point's failure after the last
+    point instead of ending the sweep, so a sweep with a failure prints its traceback, not
+    this line.)"""
+    keys = list(dict.fromkeys((str(p.spec.results), p.key) for p in plans))
+    skipped = sum(before.get(k) == "done" for k in keys)
+    ran = sum(after.get(k) == "done" and before.get(k) != "done" for k in keys)
+    failed = sum(after.get(k) == "failed" for k in keys)
+    missing = len(keys) - skipped - ran - failed
+    same = f" ({len(keys)} distinct)" if len(keys) < len(plans) else ""
+    return (f"sweep: {len(plans)} points{same}: {ran} ran, {skipped} already in the results "
+            "store (skipped)" + (f", {failed} failed" if failed else "")
+            + (f", {missing} not recorded" if missing else "")
+            + "; `python -m experiments.report` compares them")

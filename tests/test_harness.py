@@ -670,6 +670,8 @@ def test_killed_sweep_resumes_without_duplicates_and_reports_every_point(tmp_pat
     out = subprocess.run([*sweep, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert (f"sweep: 4 points: {4 - len(first)} ran, {len(first)} already in the results store "
+            "(skipped); `python -m experiments.report` compares them") in out.stderr
     recs = ResultsStore(store).records()
     keys = [r["key"] for r in recs]
     assert len(keys) == len(set(keys)) == 4  # {window, full} x {f32, bf16}
@@ -833,3 +835,19 @@ def test_the_table_names_non_default_format_options_and_mixed_precision(tmp_path
     payload = next(ln for ln in lines[0].splitlines() if ln.startswith("payload"))
     assert "kv_dtype=int2(" in head and "keep_units=" in head
     assert "mixed precision" in payload and "None" not in payload
+
+
+def test_sweep_summary_counts_points_by_what_happened_to_them():
+    """The line at a sweep's end: points with one key count once; stored before = skipped."""
+    from types import SimpleNamespace
+
+    from kvjax.sweep import sweep_summary
+
+    plans = [SimpleNamespace(key=k, spec=SimpleNamespace(results="r.jsonl"))
+             for k in ("a", "a", "b", "c", "d", "e")]
+    before = {("r.jsonl", "b"): "done", ("r.jsonl", "c"): "failed"}
+    after = before | {("r.jsonl", "a"): "done", ("r.jsonl", "c"): "done",
+                      ("r.jsonl", "d"): "failed"}
+    assert sweep_summary(plans, before, after) == (
+        "sweep: 6 points (5 distinct): 2 ran, 1 already in the results store (skipped), 1 "
+        "failed, 1 not recorded; `python -m experiments.report` compares them")
