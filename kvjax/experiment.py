@@ -1028,6 +1028,9 @@ def format_table(record: dict) -> str:
     """The short table `python run.py` prints."""
     pt, m, c, t = record["point"], record["metrics"], record["cache"], record["timings"]
     pol = pt["policy"]
+    fields = list(_defaults("policy", str(pol.get("name"))))  # declaration order (a stored
+    pol = dict(sorted(pol.items(), key=lambda kv: (  # record's keys come sorted)
+        fields.index(kv[0]) if kv[0] in fields else len(fields), kv[0])))
     opts = ", ".join(f"{k}={v}" for k, v in pol.items() if k != "name" and v is not None)
     cls = TASKS.get(pt["task"]["name"])  # its fields in declaration order (a stored record's
     order = [f.name for f in dataclasses.fields(cls)] if cls else []  # keys come sorted)

@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvjax import experiment, harness, wandb_worker
 from kvjax.experiment import ConfigError, plan
+from kvjax.policies import get_policy
 from kvjax.results import ResultsStore
 from kvjax.tasks.text import DEFAULT_SOURCE, default_text, sha256_text
 
@@ -851,3 +852,16 @@ def test_sweep_summary_counts_points_by_what_happened_to_them():
     assert sweep_summary(plans, before, after) == (
         "sweep: 6 points (5 distinct): 2 ran, 1 already in the results store (skipped), 1 "
         "failed, 1 not recorded; `python -m experiments.report` compares them")
+
+
+def test_the_table_header_lists_policy_options_in_declaration_order(tmp_path):
+    """A stored record's policy keys come back sorted; the header lists them in the policy's
+    declaration order either way, so a sweep's fresh and skipped points read alike."""
+    out = experiment.run(spec_of(*TINY, "policy=streaming", "budget=16", tmp=tmp_path),
+                         tmp_path / "a", echo=lambda s: None)
+    rec = json.loads(json.dumps(out.record, sort_keys=True))
+    head = experiment.format_table(out.record).splitlines()[0]
+    assert experiment.format_table(rec).splitlines()[0] == head
+    fields = [f.name for f in dataclasses.fields(type(get_policy("streaming")))]
+    shown = [k for k in re.findall(r"(\w+)=", head.split("policy=streaming(")[1].split(")")[0])]
+    assert shown == [f for f in fields if f in shown]
