@@ -87,6 +87,7 @@ class PlanSweep(Callback):
         # as harness.main does for one run: Hydra logs INFO here, and JAX reports at INFO each
         # backend it probes and does not find ("Unable to initialize backend 'tpu'")
         logging.getLogger("jax").setLevel(logging.WARNING)
+        logging.getLogger("alembic").setLevel(logging.WARNING)  # Optuna's: 7 "setup plugin" lines
         errors = sweep_errors(config)
         if errors:
             print("\n".join(errors), file=sys.stderr)
