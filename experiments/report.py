@@ -474,7 +474,8 @@ def default_out(sweep: str | None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store", default="results/results.jsonl", help="results store (JSONL)")
+    ap.add_argument("--store", "--results", default="results/results.jsonl",
+                    help="results store (JSONL; run.py's `results=`)")
     ap.add_argument("--out", default=None, help="output dir (default reports/<sweep or all>)")
     ap.add_argument("--sweep", default=None, help="only records of this sweep name")
     ap.add_argument("--where", action="append", default=[], metavar="PATH=VALUE",

@@ -298,6 +298,8 @@ def test_failed_runs_are_listed_not_plotted(tmp_path, capsys):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Failed runs" in md and "| h2o | int4 | 64 | dense | s | f | RuntimeError: out of memory |" in md
     assert report.main(["--store", str(store.path), "--out", str(tmp_path / "cli")]) == 0
+    # run.py's name for the store works too
+    assert report.main(["--results", str(store.path), "--out", str(tmp_path / "cli2")]) == 0
     assert "failed: f (s): RuntimeError: out of memory" in capsys.readouterr().out
 
 
