@@ -51,8 +51,8 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:  # outside a point (a launcher's own wait: joblib's, submitit's)
         line, status = interrupted_message(
-            "the sweep stopped; its finished points are in the results store, and the same "
-            "command resumes it")
+            "the run stopped; points already finished are in the results store, and the same "
+            "command skips them")
         print(line, file=sys.stderr)
         sys.exit(status)
     _finished = True

@@ -442,8 +442,8 @@ def point_config(spec: RunSpec, policy, max_len: int, layout=None, *, fmt=None, 
     the task (chunking included; its text file by the text's sha256 and the tokens scored, a data
     file such as qa's by its bytes' sha256: `Task.identity`),
     the seed, the cache length, the speed probe (as it runs: `_probe_as_run`), the sweep name
-    and the code (`code_identity`). W&B settings, paths, `force` and `progress` are left out; the cache
-    layout is part of the point only when it is not the default dense one."""
+    and the code (`code_identity`). W&B settings, paths, `force` and `progress` are left out;
+    the cache layout is part of the point only when it is not the default dense one."""
     fmt = fmt if fmt is not None else build_format(spec.kv_dtype, dict(spec.kv_options))
     task = {"name": spec.task.name, **dataclasses.asdict(spec.task)}
     task.pop("text_file", None)

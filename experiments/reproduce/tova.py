@@ -23,6 +23,16 @@ POLICIES = {  # label -> (description, policy, its options given the budget)
     "streaming": ("StreamingLLM (4 sinks)", "streaming", lambda b: (("n_sink", 4),)),
 }
 NEAR = 1.10  # "close to the full cache": perplexity within 10 %
+SETTING = {  # label -> how it runs here, for the doc (only the policies run are described)
+    "tova": ("TOVA: the attention of the current query (the chunk's last token), averaged over "
+             "all heads of the layer, so every kv head drops the same position; no protected "
+             "slots (the paper's policy)."),
+    "h2o": ("H2O: half the budget recent, half heavy hitters (accumulated attention), no sinks, "
+            "as in the h2o reproduction."),
+    "window": "The window: the b most recent tokens.",
+    "streaming": ("StreamingLLM: 4 sinks + b − 4 recent, keys rotated at their positions within "
+                  "the cache (`rope=cache`, the paper's choice)."),
+}
 
 
 def budget(fraction: float, length: int) -> int:
@@ -135,13 +145,9 @@ class TOVA(Reproduction):
              f"{'s' if args.chunk > 1 else ''}"
              + (" (token by token, as the paper)." if args.chunk == 1 else
                 "; the paper decides token by token (`--chunk 1`).")),
-            ("* TOVA: the attention of the current query (the chunk's last token), averaged "
-             "over all heads of the layer, so every kv head drops the same position; no "
-             "protected slots (the paper's policy). H2O: half the budget recent, half heavy "
-             "hitters (accumulated attention), no sinks, as in the h2o reproduction. "
-             "StreamingLLM: 4 sinks + b − 4 recent, keys rotated at their positions within "
-             "the cache (`rope=cache`, the paper's choice); TOVA, H2O and the window keep "
-             "absolute positions."),
+            "* " + " ".join(SETTING[p] for p in POLICIES if p in args.policies)
+            + (" The others keep absolute positions." if "streaming" in args.policies
+               else " Every policy keeps absolute positions."),
         ])
         fig = self.figure(args, done, n)
         path = img_dir / f"{self.name}_budget.png"
@@ -173,7 +179,8 @@ class TOVA(Reproduction):
         for lab in args.policies:
             ys = [ppl(done[f"{f}/{lab}"].nll()[b:]) for f, b in zip(args.fractions, xs)]
             ax.plot(xs, ys, "o-", label=POLICIES[lab][0])
-        ax.plot(xs, [ppl(full[b:]) for b in xs], "k:", label="full cache (same tokens)")
+        ax.plot(xs, [ppl(full[b:]) for b in xs], "k:", marker="_", markersize=14,
+                label="full cache (same tokens)")  # a mark too: one budget draws no line
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(xs, [str(x) for x in xs])
