@@ -42,7 +42,8 @@ class H2O(Reproduction):
         "with 20 % recent tokens (heavy_ratio 0, recent_ratio 0.2) and H2O with heavy_ratio "
         "0.1 + recent_ratio 0.1, i.e. a 20 % budget ≈ full-cache accuracy and clearly above "
         "recent-only (the paper's accuracy-vs-budget figures, whose curves print no values). "
-        "Table 2 (OPT-30B, 20 % KV cache budget; accuracy on COPA / OpenBookQA / PiQA / "
+        "The table \"Results of different sparsification methods w. or w.o. H2\" (Table 2 or 1,"
+        " by version; OPT-30B, 20 % KV cache budget; accuracy on COPA / OpenBookQA / PiQA / "
         "Winogrande): full cache 85.00 / 43.20 / 78.51 / 70.24, local (recent tokens only) "
         "48.00 / 25.20 / 55.82 / 49.17, H2O 84.00 / 43.00 / 78.45 / 69.06 (read in a text "
         "extraction of the arXiv paper).")
