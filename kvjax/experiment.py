@@ -843,6 +843,8 @@ def _execute(plan_: Plan, store: ResultsStore, run_dir, echo, precomputed, git: 
         timings |= speed
     else:
         probe_cache = result.cache
+        if probe_cache is None:  # no sequence's cache (serve's shared pool): one allocated
+            probe_cache = ctx.layout.init(cfg, 1, plan_.policy, plan_.fmt, plan_.max_len)
         timings |= {"prefill_s": None, "decode_tok_s": None}
     timings["total_s"] = time.perf_counter() - t_start
     timings["programs"] = dict(program_stats - programs_before)  # stored programs of this point
@@ -850,12 +852,16 @@ def _execute(plan_: Plan, store: ResultsStore, run_dir, echo, precomputed, git: 
     task = spec.task
     value = result.metrics[task.metric]
     b = base.get(task.metric)
-    cache_info = cache_bytes(cfg, probe_cache, plan_.fmt, plan_.max_len)
+    # a compress-mode cache holds what it kept of its prompt: the task's prompts, not the
+    # probe's shorter one, set its size (an evict-mode cache's capacity is the budget's)
+    measured = (result.cache if plan_.policy.mode == "compress" and result.cache is not None
+                else probe_cache)
+    cache_info = cache_bytes(cfg, measured, plan_.fmt, plan_.max_len)
     if mesh is not None:
-        cache_reasons = cache_specs(probe_cache, mesh).reasons
+        cache_reasons = cache_specs(measured, mesh).reasons
         for r in cache_reasons:
             echo(f"note: mesh: {r}")
-        cache_info |= {"per_device_bytes": probe_cache.nbytes(per_device=True),
+        cache_info |= {"per_device_bytes": measured.nbytes(per_device=True),
                        "mesh": {**dataclasses.asdict(mesh), "replicated": param_reasons
                                 + cache_reasons}}
     metrics = {"task": task.name, "metric": task.metric, "value": value, "baseline": b,

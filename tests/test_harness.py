@@ -799,6 +799,21 @@ def test_compress_points_of_a_sweep_share_one_prefill(tmp_path):
 
 
 
+def test_compress_mode_bytes_are_the_tasks_compressed_prompts_not_the_probes(tmp_path):
+    """In compress mode a cache holds what it kept of its prompt, so its bytes come from the
+    task's prompts: with the speed probe on (a 64-token prompt) they are what they are with it
+    off. An audit found a knorm ratio=0.5 point's compression 3.60x with the probe (its
+    256-token prompt kept) and 1.96x without; the task's cache held the latter."""
+    base = ["model=tiny", "task=passkey", "task.length=400", "task.n_samples=2",
+            "wandb.mode=disabled", "policy=knorm", "policy.mode=compress", "ratio=0.5"]
+    off = experiment.run(spec_of(*base, "speed.prompt=0", tmp=tmp_path / "off"),
+                         tmp_path / "off-run", echo=lambda s: None).record
+    on = experiment.run(spec_of(*base, "speed.prompt=64", "speed.new_tokens=2",
+                                tmp=tmp_path / "on"), tmp_path / "on-run", echo=lambda s: None)
+    assert on.record["timings"]["prefill_s"] is not None  # the probe ran
+    assert on.record["cache"] == off["cache"]
+    assert off["cache"]["capacity"] >= 200  # half of the 400-token prompt kept, + the answer
+
 def test_the_speed_probe_fits_its_prompt_and_steps_in_max_len(tmp_path):
     """The probe prefills a prompt and then decodes 1 + new_tokens tokens; a paged row may not
     grow past max_len, so the prompt is cut to max_len - new_tokens - 1 (with the task's length

@@ -6,6 +6,8 @@ Tiny random model; the 500-request run drives only the allocator (`AllocatorRunn
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -249,3 +251,12 @@ def test_the_run_table_shows_the_serving_figures(tmp_path):
     assert f"{m['ttft_p50']:.2f} / {m['ttft_p95']:.2f} s" in rows["TTFT p50 / p95"]
     assert f"{m['tpot_p50'] * 1e3:.0f} / {m['tpot_p95'] * 1e3:.0f} ms" in rows["TPOT p50 / p95"]
     assert f"{m['pool_bytes'] / 2**20:,.2f} MiB  {m['cache_rows']} rows;" in rows["pool"]
+    # with the probe off, the bytes are one sequence's cache, not the pool shared out per row
+    # (an audit found the pool / rows: 8x "compression" for the full cache)
+    c = out.record["cache"]
+    assert c["compression"] == 1.0 and c["kv_bytes"] == c["full_f32_bytes"]
+    paged = run(dataclasses.replace(spec, cache=(("layout", "paged"),)), tmp_path / "paged",
+                echo=lambda s: None).record
+    assert paged["cache"]["compression"] == pytest.approx(1.0, rel=0.1)  # whole pages
+    assert paged["cache"]["kv_bytes"] != paged["metrics"]["pool_bytes"] // paged["metrics"][
+        "cache_rows"]

@@ -54,7 +54,8 @@ class TaskContext:
 class TaskResult:
     """metrics: scalars (the task's `metric` among them); arrays: per-token numpy arrays saved
     as <name>.npy; curves: per-step series ({"step": [...], name: [...]}); rows: per-sample or
-    per-cell table rows; cache: the final cache (for byte accounting)."""
+    per-cell table rows; cache: the final cache of the task's sequences, batch B (for byte
+    accounting, per sequence), or None where it has none (serve's pool is shared by its rows)."""
 
     metrics: dict
     arrays: dict = dataclasses.field(default_factory=dict)

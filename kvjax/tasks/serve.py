@@ -242,4 +242,6 @@ def summarize(res, tokenizer, *, cache_rows: int, pool_bytes: int, page_bytes) -
               "active": steps["active"], "pages_used": steps["pages_used"],
               "pages_shared": steps["pages_shared"], "host_bytes": steps["host_bytes"]}
     arrays = {f"serve_{k}": np.asarray(v, np.float64) for k, v in curves.items() if k != "step"}
-    return TaskResult(metrics=metrics, arrays=arrays, curves=curves, rows=rows, cache=res.cache)
+    # no cache: the server's pool is shared by its rows, no one sequence's (its bytes are in
+    # the metrics); the record's per-sequence bytes come from the speed probe or a fresh cache
+    return TaskResult(metrics=metrics, arrays=arrays, curves=curves, rows=rows)
