@@ -389,6 +389,8 @@ def plan(spec: RunSpec) -> Plan:
         raise ConfigError(f"seed={spec.seed!r} must be a non-negative integer")
     try:
         task.check_prompts(tokenizer, text, spec.seed)
+        task.check_cache(TaskContext(None, cfg, tokenizer, policy, fmt, max_len, text, spec.seed,
+                                     is_baseline(policy, fmt, layout), False, layout))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not spec.allow_dirty and git_info(code_only=True)["dirty"]:
@@ -661,10 +663,14 @@ def baseline_key(plan_: Plan, text_sha: str) -> str:
     return config_hash(ident)
 
 
+def is_baseline(policy, fmt, layout) -> bool:
+    """The point is the full-cache baseline itself (full, f32, the default dense layout)."""
+    return (policy.name == BASELINE_POLICY and fmt == build_format(BASELINE_FORMAT, {})
+            and layout == get_layout("dense"))
+
+
 def is_baseline_point(plan_: Plan) -> bool:
-    return (plan_.policy.name == BASELINE_POLICY
-            and plan_.fmt == build_format(BASELINE_FORMAT, {})
-            and plan_.layout == get_layout("dense"))
+    return is_baseline(plan_.policy, plan_.fmt, plan_.layout)
 
 
 def get_baseline(plan_: Plan, ctx: TaskContext, text_sha: str, result: TaskResult | None):

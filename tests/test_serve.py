@@ -228,6 +228,12 @@ def test_serve_task_workload_and_plan_errors():
         get_task("serve", followup=1.5)
     with pytest.raises(ConfigError, match="too short for the prompt's fixed parts"):
         plan(spec(task={"prompt_min": 100, "prompt_max": 120}))
+    # a pool too small for the rows (this point's, or the full-cache baseline's it is compared
+    # with) is refused here too, not after the model loads (an audit got a traceback)
+    with pytest.raises(ConfigError, match=r"pool_mib=0.001 holds 0 dense rows"):
+        plan(spec(task={"pool_mib": 0.001}))
+    with pytest.raises(ConfigError, match="the full-cache dense f32 baseline serves the same"):
+        plan(spec(task={"pool_mib": 0.001}, cache=(("layout", "paged"),)))
 
 
 def test_the_run_table_shows_the_serving_figures(tmp_path):

@@ -102,6 +102,10 @@ class Task:
         build for `seed`) with this tokenizer, e.g. a length below the prompt's fixed parts;
         run before the model loads."""
 
+    def check_cache(self, ctx: TaskContext) -> None:
+        """Raise ValueError when the task cannot hold its caches as configured (e.g. a memory
+        pool too small for one row); run before the model loads, so `ctx.params` is None."""
+
     @staticmethod
     def table_rows(metrics: dict, options: dict) -> list[tuple[str, str, str]]:
         """(label, value, note) rows that `python run.py`'s table prints under the task's metric:

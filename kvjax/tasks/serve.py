@@ -153,6 +153,10 @@ class Serve(Task):
             out.append(t)
         return out
 
+    def check_cache(self, ctx: TaskContext) -> None:
+        """The pool holds this point's rows and the full-cache baseline's (`pool`)."""
+        self.pool(ctx)
+
     def pool(self, ctx: TaskContext):
         """(layout, rows) of a pool of `pool_mib` MiB of keys and values (and, for a point the
         harness compares with a full-cache dense f32 baseline, a check that the baseline fits
