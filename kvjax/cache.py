@@ -709,6 +709,11 @@ class DenseLayout:
     def check_pool(self, policy, max_len: int) -> None:
         """Dense rows own their slots: any row fits."""
 
+    def notes(self, policy) -> tuple[str, ...]:
+        """What this layout does differently from the dense one for `policy` (for the run's
+        notes): nothing."""
+        return ()
+
     def init(self, cfg: ModelConfig, batch: int, policy, fmt, max_len: int | None = None):
         cache = _init_dense(cfg, batch, policy, fmt, max_len)
         if self.mesh is None:

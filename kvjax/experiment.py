@@ -374,6 +374,7 @@ def plan(spec: RunSpec) -> Plan:
         layout = build_layout(spec.cache, spec.mesh)
         layout.validate(policy, fmt, max_len)
         layout.check_pool(policy, max_len)
+        notes = (*notes, *layout.notes(policy))
         layout.abstract(cfg, 1, policy, fmt, max_len)  # the format against the real head dim
     except ValueError as e:
         raise ConfigError(f"{e} (model {identity['name']}: head dim {cfg.head_dim}, "

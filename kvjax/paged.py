@@ -113,6 +113,23 @@ class PagedLayout:
                 f"of {self.page_size}; use num_pages >= {need} per row, or null (enough for "
                 "every row)")
 
+    def notes(self, policy) -> tuple[str, ...]:
+        """Where a point on pages differs from the dense layout's (the run prints them): whole
+        sink pages stay attended; the Pallas kernel serves one-token steps only."""
+        out = []
+        rule = page_rule(policy)
+        if rule.sinks % self.page_size:
+            kept = cdiv(rule.sinks, self.page_size) * self.page_size
+            out.append(f"paged: the pages holding the first {rule.sinks} (sink) tokens stay "
+                       f"whole, so the first {kept} tokens stay attended (the dense layout "
+                       f"keeps {rule.sinks}); sinks that fill whole pages "
+                       f"({self.page_size}) match it")
+        if self.impl == "pallas":
+            out.append("cache.impl=pallas: the kernel runs for one-token steps (decode, "
+                       "task.chunk=1); a forward over more tokens (prefill, chunks) uses the "
+                       "reference attention")
+        return tuple(out)
+
     def pages_per_row(self, policy, max_len: int) -> int:
         """Pages one row can hold at once: all of max_len without eviction; with a window W and
         sinks S, the sink pages plus the pages W consecutive tokens can span, whatever the

@@ -880,3 +880,21 @@ def test_the_table_header_lists_policy_options_in_declaration_order(tmp_path):
     fields = [f.name for f in dataclasses.fields(type(get_policy("streaming")))]
     shown = [k for k in re.findall(r"(\w+)=", head.split("policy=streaming(")[1].split(")")[0])]
     assert shown == [f for f in fields if f in shown]
+
+
+def test_a_paged_point_notes_where_it_differs_from_the_dense_layout():
+    """Pages hold whole sink pages (an audit measured streaming at 4 sinks on pages closer to
+    the full cache than on the dense layout, and equal at 16 sinks, one page), and the Pallas
+    kernel serves one-token steps only: the plan says both before the run."""
+    def notes(*o):
+        return [n for n in plan(spec_of("model=tiny", "task.length=64", "cache.layout=paged",
+                                        "policy=streaming", "budget=32", *o)).notes
+                if n.startswith(("paged:", "cache.impl="))]
+
+    (sink,) = notes("policy.n_sink=4")
+    assert "first 4 (sink) tokens stay whole, so the first 16 tokens stay attended" in sink
+    assert notes("policy.n_sink=16") == []
+    assert [n.split(":")[0] for n in notes("policy.n_sink=16", "cache.impl=pallas")] == [
+        "cache.impl=pallas"]
+    assert not [n for n in plan(spec_of("model=tiny", "task.length=64", "policy=streaming",
+                                        "budget=32")).notes if n.startswith("paged:")]
