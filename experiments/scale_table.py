@@ -149,7 +149,7 @@ def write_doc(path: Path = DOC) -> str:
         "  (over kv heads) and replicated over the 8 data rows (marked `*`); those devices would",
         "  serve other requests, or the context would need sequence parallelism (not in kvjax).",
         "* Bytes are every buffer kvjax allocates: k and v in the format (int4: packed values,",
-        "  per-group scales and zero points, the bf16 residual window), int32 positions per slot",
+        "  per-group scales and zero points, the f32 residual window), int32 positions per slot",
         "  and kv head, the policy's stats (H2O: f32 accumulated attention per slot).",
         "* \"devices for X GiB\": the fewest of 1 / 8 / 64 devices on which the cache plus the",
         "  bf16 weights per device fit in X GiB (80: A100/H100; 141: H200), activations and",
