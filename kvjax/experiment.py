@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import wandb_worker
-from kvjax.cache import closed_form_bytes, get_layout
+from kvjax.cache import HeadPool, closed_form_bytes, get_layout
 from kvjax.generate import compile_start, decode, start
 from kvjax.mesh import MeshSpec, cache_specs, shard_params
 from kvjax.policies import POLICIES, get_policy
@@ -636,13 +636,20 @@ def cache_bytes(cfg, cache, fmt, max_len: int) -> dict:
     C = cache.capacity
     bpv = nominal_bytes_per_value(fmt)
     full_f32 = closed_form_bytes(cfg, max_len, 4.0)
-    return {
+    out = {
         "kv_bytes": int(kv), "total_bytes": int(per_row(cache.nbytes())),
         "capacity": _int_if_whole(C),  # a mean over layer groups (pyramid) may be fractional
         "bytes_per_value": bpv, "closed_form_bytes": per_row(formula_bytes(cfg, cache)),
         "payload_bytes": None if bpv is None else _int_if_whole(closed_form_bytes(cfg, C, bpv)),
         "full_f32_bytes": _int_if_whole(full_f32), "compression": full_f32 / kv,
     }
+    if getattr(cache, "bounds", None):  # per-layer budgets: each group's layers and slots
+        out["layer_capacities"] = [[lo, hi, int(g.capacity)]
+                                   for g, (lo, hi) in zip(cache.groups, cache.bounds)]
+    if any(isinstance(p, HeadPool) for p in getattr(cache, "groups", (cache,))):
+        # per-head budgets: the slots each kv head holds, [L][K] (of the first row)
+        out["head_slots"] = np.asarray(cache.head_slots())[:, 0].tolist()
+    return out
 
 
 # ----------------------------------------------------------------------------- baselines

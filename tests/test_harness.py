@@ -898,3 +898,21 @@ def test_a_paged_point_notes_where_it_differs_from_the_dense_layout():
         "cache.impl=pallas"]
     assert not [n for n in plan(spec_of("model=tiny", "task.length=64", "policy=streaming",
                                         "budget=32")).notes if n.startswith("paged:")]
+
+
+def test_records_show_per_layer_and_per_head_budgets(tmp_path):
+    """`capacity` is a mean; a pyramid point's record also lists each layer group's slots and
+    an adakv point's each kv head's (an audit found only the mean recorded)."""
+    run = lambda *o: experiment.run(spec_of(*TINY, "task.length=256", *o, tmp=tmp_path),
+                                    tmp_path / "-".join(o), echo=lambda s: None).record["cache"]
+    pyr = run("policy=pyramid", "budget=96", "policy.n_groups=2")
+    groups = pyr["layer_capacities"]  # [[lo, hi, slots], ...]
+    caps = [c for _, _, c in groups]
+    assert len(groups) > 1 and caps == sorted(caps, reverse=True) and caps[0] > caps[-1]
+    L = groups[-1][1]
+    assert pyr["capacity"] == pytest.approx(sum((hi - lo) * c for lo, hi, c in groups) / L)
+    ada = run("policy=adakv", "budget=32")
+    slots = np.asarray(ada["head_slots"])  # [L, K]
+    assert slots.ndim == 2 and slots.shape[0] == L and "layer_capacities" not in ada
+    assert (slots.sum(axis=1) <= slots.shape[1] * 32).all() and slots.min() >= 0
+    assert "head_slots" not in run("policy=h2o", "budget=32")
