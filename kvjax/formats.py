@@ -686,8 +686,10 @@ class _IntFormat(_LayerBatched):
         return (self.group if self.residual is None else self.residual) // self.group
 
     def options(self) -> dict:
-        return {**super().options(), "residual": self.n_open * self.group,
-                "value_group": self.group_of("v")}
+        # per-token keys keep no residual (`_residual_rows`): the option changes nothing then,
+        # so it reads as its default and makes no new point
+        residual = self.n_open * self.group if self.channel_keys("k") else self.group
+        return {**super().options(), "residual": residual, "value_group": self.group_of("v")}
 
     def channel_keys(self, kind: str) -> bool:
         return kind == "k" and self.key_mode == "channel"

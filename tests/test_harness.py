@@ -221,6 +221,10 @@ def test_point_key_is_the_content_of_text_format_and_code(tmp_path, monkeypatch)
     assert key("kv_dtype=int4") == key("kv_dtype=int4", "+kv_options.group=64",
                                        "+kv_options.residual=64", "+kv_options.value_group=64")
     assert key("kv_dtype=int4") != key("kv_dtype=int4", "+kv_options.group=32")
+    # per-token keys keep no residual: a residual setting there changes nothing, and no key
+    token = key("kv_dtype=int4", "+kv_options.key_mode=token")
+    assert token == key("kv_dtype=int4", "+kv_options.key_mode=token", "+kv_options.residual=128")
+    assert key("kv_dtype=int4") != key("kv_dtype=int4", "+kv_options.residual=128")
     p = plan(spec_of("model=tiny", f"task.text_file={b}", "task.length=all"))
     pt = p.point
     assert p.spec.task.length == 660 and pt["task"]["length"] == 660
