@@ -858,7 +858,7 @@ def _execute(plan_: Plan, store: ResultsStore, run_dir, echo, precomputed, git: 
     else:
         probe_cache = result.cache
         if probe_cache is None:  # no sequence's cache (serve's shared pool): one allocated
-            probe_cache = ctx.layout.init(cfg, 1, plan_.policy, plan_.fmt, plan_.max_len)
+            probe_cache = plan_.layout.init(cfg, 1, plan_.policy, plan_.fmt, plan_.max_len)
         timings |= {"prefill_s": None, "decode_tok_s": None}
     timings["total_s"] = time.perf_counter() - t_start
     timings["programs"] = dict(program_stats - programs_before)  # stored programs of this point
