@@ -614,10 +614,16 @@ class LayerGroups:
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, policy, fmt, max_len: int):
         parts = policy.layer_groups(cfg.n_layers, max_len)
-        groups = tuple(
-            KVCache.init(dataclasses.replace(cfg, n_layers=hi - lo), batch, p, fmt, max_len)
-            for lo, hi, p in parts
-        )
+        try:
+            groups = tuple(
+                KVCache.init(dataclasses.replace(cfg, n_layers=hi - lo), batch, p, fmt, max_len)
+                for lo, hi, p in parts
+            )
+        except ValueError as e:  # a format's limit on one group's budget: say what they are
+            budgets = ", ".join(f"layers {lo}-{hi - 1}: {getattr(p, 'budget', None)}"
+                                for lo, hi, p in parts)
+            raise ValueError(f"{e} [policy {policy.name!r} gives its layer groups the budgets "
+                             f"{budgets}]") from None
         return cls(groups=groups, bounds=tuple((lo, hi) for lo, hi, _ in parts), policy=policy)
 
     @property

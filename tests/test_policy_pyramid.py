@@ -130,3 +130,13 @@ def test_bytes_equal_a_uniform_cache_at_equal_budget():
 def test_more_groups_than_layers_is_an_error():
     with pytest.raises(ValueError, match="n_groups=8 exceeds the 4 layers"):
         KVCache.init(CFG, 1, get_policy("pyramid", budget=64, n_groups=8, window=4), F32, 128)
+
+
+def test_a_format_limit_on_a_group_budget_names_every_groups_budget():
+    """int4's channel keys need each capacity to be a multiple of its group; with pyramid the
+    capacities are the groups' budgets, which the user never set: the error lists them."""
+    pol = get_policy("pyramid", budget=40, taper=3.0, n_groups=2, window=8)
+    with pytest.raises(ValueError, match=r"group=8 must divide the capacity C=60.*\[policy "
+                                         r"'pyramid' gives its layer groups the budgets layers "
+                                         r"0-1: 60, layers 2-3: 20\]"):
+        KVCache.init(CFG, 1, pol, get_format("int4", group=8), 128)
