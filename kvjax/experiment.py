@@ -1044,19 +1044,20 @@ def options_label(kind: str, fields: dict, skip=()) -> str:
     return name + (f"({', '.join(f'{k}={v}' for k, v in sorted(diff.items()))})" if diff else "")
 
 
+def _declared(kind: str, fields: dict) -> list[tuple[str, Any]]:
+    """A policy's or task's recorded fields but its name, in declaration order (a stored
+    record's keys come back sorted; fields it no longer declares last)."""
+    order = list(_defaults(kind, str(fields.get("name"))))
+    return sorted(((k, v) for k, v in fields.items() if k != "name"),
+                  key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))
+
+
 def format_table(record: dict) -> str:
     """The short table `python run.py` prints."""
     pt, m, c, t = record["point"], record["metrics"], record["cache"], record["timings"]
     pol = pt["policy"]
-    fields = list(_defaults("policy", str(pol.get("name"))))  # declaration order (a stored
-    pol = dict(sorted(pol.items(), key=lambda kv: (  # record's keys come sorted)
-        fields.index(kv[0]) if kv[0] in fields else len(fields), kv[0])))
-    opts = ", ".join(f"{k}={v}" for k, v in pol.items() if k != "name" and v is not None)
-    cls = TASKS.get(pt["task"]["name"])  # its fields in declaration order (a stored record's
-    order = [f.name for f in dataclasses.fields(cls)] if cls else []  # keys come sorted)
-    items = sorted(pt["task"].items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order
-                                                       else len(order), kv[0]))
-    task = ", ".join(f"{k}={v}" for k, v in items if k != "name" and v is not None)
+    opts = ", ".join(f"{k}={v}" for k, v in _declared("policy", pol) if v is not None)
+    task = ", ".join(f"{k}={v}" for k, v in _declared("task", pt["task"]) if v is not None)
     rows = [
         (m["metric"], fmt(m["value"], ".4f"),
          f"full cache {fmt(m['baseline'], '.4f')}, delta {fmt(m['delta'], '+.4f')}"),
