@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
@@ -55,15 +56,14 @@ def check_point(config: DictConfig, point: list[str]):
 
 def sweep_errors(config: DictConfig) -> list[str]:
     """One line per point that cannot run: `sweep point #i (its swept overrides): error`."""
+    from kvjax import experiment
     from kvjax.experiment import ConfigError
 
+    experiment.SWEEP_PLANS.clear()  # this sweep's plans only (none for another sweeper)
     if config.hydra.sweeper.get("_target_") != BASIC_SWEEPER:
         return []  # other sweepers (optuna) choose their points while they run
-    from kvjax import experiment
-
     points, swept = sweep_points(config)
     errors = []
-    experiment.SWEEP_PLANS.clear()
     for i, point in enumerate(points):
         try:
             experiment.SWEEP_PLANS.append(check_point(config, point))
@@ -80,7 +80,7 @@ class PlanSweep(Callback):
     plans are kept (`kvjax.experiment.SWEEP_PLANS`): points that can share a prefill then run
     together when the first of them runs (in-process launchers)."""
 
-    plans: list | None = None  # the planned points (basic sweeper), for the end's summary
+    plans: tuple = ()  # the planned points (basic sweeper only), for the end's summary
     before: dict | None = None  # their stores' statuses when the sweep started
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -92,19 +92,18 @@ class PlanSweep(Callback):
         if errors:
             print("\n".join(errors), file=sys.stderr)
             sys.exit(2)
-        if config.hydra.sweeper.get("_target_") == BASIC_SWEEPER:
-            from kvjax import experiment
+        from kvjax import experiment
 
-            self.plans = list(experiment.SWEEP_PLANS)
-            self.before = stored_status(self.plans)
+        self.plans = tuple(experiment.SWEEP_PLANS)
+        self.before = stored_status(self.plans)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.plans:
-            print(sweep_summary(self.plans, self.before or {}, stored_status(self.plans)),
+            print(sweep_summary(self.plans, self.before, stored_status(self.plans)),
                   file=sys.stderr)
 
 
-def stored_status(plans: list) -> dict[tuple[str, str], str]:
+def stored_status(plans: Sequence) -> dict[tuple[str, str], str]:
     """(results store, key) -> "done" or "failed", for the planned points' keys in their
     stores (the last record of a key counts, as the store's readers take it)."""
     from kvjax.results import ResultsStore, is_failure
@@ -117,7 +116,7 @@ def stored_status(plans: list) -> dict[tuple[str, str], str]:
     return out
 
 
-def sweep_summary(plans: list, before: dict, after: dict) -> str:
+def sweep_summary(plans: Sequence, before: dict, after: dict) -> str:
     """One line at the end of a sweep: how many of its points ran, were already stored (and so
     skipped), failed, or were not recorded. Points with one key (e.g. `full` at several
     budgets, which it ignores) count once. (Hydra raises a point's failure after the last
