@@ -314,16 +314,13 @@ def _cell(v) -> str:
 def markdown_table(records: list[dict]) -> str:
     """Every run, one row each, with what changes its numbers: task settings, policy and format
     options that differ from their defaults, the task's length, ratio, layout and mode."""
-    from kvjax.experiment import options_label  # jax: only where the table is made
+    from kvjax.experiment import format_label  # jax: only where the table is made
 
     rows = []
     for r in sorted(records, key=_order):
         pt, g = r["point"], group_of(r)
-        row = summary_row(r)
-        row["task"] = task_label(pt["task"])
-        row["policy"] = policy_label(pt["policy"])
-        if isinstance(pt.get("format"), dict):
-            row["kv_dtype"] = options_label("format", pt["format"])
+        row = summary_row(r) | {"task": task_label(pt["task"]),
+                                "policy": policy_label(pt["policy"]), "kv_dtype": format_label(pt)}
         length = "/".join(map(str, g.length)) if isinstance(g.length, tuple) else g.length
         rows.append(row | {"ratio": pt["policy"].get("ratio"), "length": length,
                            "layout": g.layout, "mode": g.mode, "sweep": r.get("sweep"),

@@ -1044,6 +1044,13 @@ def options_label(kind: str, fields: dict, skip=()) -> str:
     return name + (f"({', '.join(f'{k}={v}' for k, v in sorted(diff.items()))})" if diff else "")
 
 
+def format_label(point: dict) -> str:
+    """A point's kv format with its options that differ from the defaults (older records: its
+    name)."""
+    fields = point.get("format")
+    return options_label("format", fields) if isinstance(fields, dict) else point["kv_dtype"]
+
+
 def _declared(kind: str, fields: dict) -> list[tuple[str, Any]]:
     """A policy's or task's recorded fields but its name, in declaration order (a stored
     record's keys come back sorted; fields it no longer declares last)."""
@@ -1095,9 +1102,6 @@ def format_table(record: dict) -> str:
         ("run time", f"{t['total_s']:.1f} s", _baseline_note(m, t)),
     ]
     policy = f"{pol['name']}({opts})" if opts else pol["name"]
-    fmt_fields = pt.get("format")
-    kv_label = (options_label("format", fmt_fields) if isinstance(fmt_fields, dict)
-                else pt["kv_dtype"])
     layout = pt.get("cache")
     if layout and layout["layout"] == "paged":
         layout = f" | cache=paged(page={layout['page_size']}, {layout['impl']})"
@@ -1106,7 +1110,7 @@ def format_table(record: dict) -> str:
     else:
         layout = ""
     head = (f"kvjax | model={pt['model']['name']} | policy={policy} | "
-            f"kv_dtype={kv_label}{layout} | task={pt['task']['name']}({task})")
+            f"kv_dtype={format_label(pt)}{layout} | task={pt['task']['name']}({task})")
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [head, "-" * min(len(head), 100)]
